@@ -1,0 +1,42 @@
+"""HyperPrompt T5 and its baselines behind one constructor.
+
+    model = build_model("t5-tiny", "hyperprompt", tasks=["rte", "cb"], variant="global", placement="both")
+    out = model(input_ids, attention_mask, labels=labels, task_ids=task_ids)   # HF Seq2SeqLMOutput
+    ids = model.generate(input_ids, attention_mask, task_ids=task_ids, max_new_tokens=5)
+"""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from hpsearch.errors import ConfigError
+from hpsearch.model.backbones import NAMED_SHAPES, backbone_config, load_backbone
+from hpsearch.model.base import MultiTaskT5
+from hpsearch.model.config import ModelConfig
+from hpsearch.model.hyperprompt import HyperPromptT5
+from hpsearch.model.mtl import MultiTaskBaseline
+
+METHOD_CLASSES = {"mtl": MultiTaskBaseline, "hyperprompt": HyperPromptT5}
+
+__all__ = ["NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config", "build_model", "model_config"]
+
+
+def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelConfig:
+    """A validated ModelConfig from keyword arguments (unknown names are a ConfigError)."""
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(hparams) - known)
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]}: unknown field; known: {', '.join(sorted(known))}")
+    cfg = replace(ModelConfig(), backbone=backbone if isinstance(backbone, str) else "<T5Config>",
+                  method=method, **hparams)
+    cfg.validate()
+    return cfg
+
+
+def build_model(backbone="t5-tiny", method="hyperprompt", tasks=("task",), *, t5=None, **hparams) -> MultiTaskT5:
+    """Build a multi-task T5. `backbone`: named shape, T5Config, hub id or local path; `t5`: reuse this model."""
+    if not tasks:
+        raise ConfigError("tasks: empty; a multi-task model needs at least one task")
+    cfg = model_config(backbone, method, **hparams)
+    if t5 is None:
+        t5 = load_backbone(backbone, cfg.vocab_size, cfg.dropout)
+    return METHOD_CLASSES[cfg.method](t5, tasks, cfg)

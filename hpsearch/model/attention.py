@@ -1,0 +1,105 @@
+"""The attention hook: key/value prompts inside T5 self-attention (transformers 5.x `AttentionInterface`).
+
+Every T5 attention module of a wrapped model calls `prompted_attention`. A self-attention module that carries
+prompts (`module.hp_prompt = (keys, values)`, each [batch, heads, l, d_kv]) attends over [prompts; tokens]:
+
+    softmax(Q [P_k; K]^T + [0 | position_bias] + [0 | mask]) [P_v; V]        (T5: no 1/sqrt(d) scaling)
+
+Prompt columns get zero relative-position bias and are never masked; padding and the causal mask still apply
+to the real tokens. The KV cache is updated before this function runs, so the cache never holds prompts and
+cached decoding adds them exactly once per step. Modules without prompts (cross-attention, unprompted sides)
+compute plain T5 attention, so an unprompted model equals stock T5.
+
+A mask function is registered under the same name: without it transformers hands a custom attention
+function no padding mask at all.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+ATTN_NAME = "hyperprompt"
+SIDES = ("encoder", "decoder")
+
+
+def _additive_mask(module, mask, q_len: int, k_len: int, dtype, device) -> torch.Tensor:
+    """The mask as an additive float tensor [batch|1, 1, q_len, k_len]; builds the causal mask when absent."""
+    neg = torch.finfo(dtype).min
+    if mask is None:
+        if getattr(module, "is_causal", False):  # decoder self-attention: queries are the last q_len keys
+            allowed = torch.arange(k_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None] \
+                + (k_len - q_len)
+            return torch.where(allowed, 0.0, neg).to(dtype)[None, None]
+        return torch.zeros(1, 1, 1, k_len, dtype=dtype, device=device)
+    if mask.dtype == torch.bool:
+        return torch.where(mask, 0.0, neg).to(dtype)
+    return mask[..., :k_len].to(dtype)
+
+
+def _expand_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """Prompts are made per example; beam search repeats each example (repeat_interleave) after that."""
+    if t.shape[0] == batch:
+        return t
+    if batch % t.shape[0]:
+        raise RuntimeError(f"prompt batch {t.shape[0]} does not divide attention batch {batch}")
+    return t.repeat_interleave(batch // t.shape[0], dim=0)
+
+
+def prompted_attention(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0,
+                       position_bias=None, **kwargs):
+    batch, _, q_len, _ = query.shape
+    k_len = key.shape[2]
+    bias = _additive_mask(module, attention_mask, q_len, k_len, query.dtype, query.device)
+    if position_bias is not None:
+        bias = bias + position_bias[..., -q_len:, :k_len]
+    prompt = getattr(module, "hp_prompt", None)
+    n_prompt = 0
+    if prompt is not None and prompt[0].shape[2] > 0:
+        pk, pv = (_expand_batch(p.to(key.dtype), batch) for p in prompt)
+        n_prompt = pk.shape[2]
+        key = torch.cat([pk, key], dim=2)
+        value = torch.cat([pv, value], dim=2)
+        bias = F.pad(bias, (n_prompt, 0), value=0.0)  # prompt columns: no position bias, never masked
+    bias = bias.expand(batch, -1, q_len, -1)
+    recorder = getattr(module, "hp_recorder", None)
+    if recorder is not None:  # attention statistics: explicit probabilities (eager path)
+        probs = torch.softmax(query @ key.transpose(-1, -2) * scaling + bias, dim=-1)
+        recorder(probs, n_prompt, bias)
+        out = probs @ value
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
+                                             dropout_p=dropout if module.training else 0.0, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, prompted_attention)
+AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+
+
+def self_attention_modules(t5) -> dict[tuple[str, int], torch.nn.Module]:
+    """{(side, layer): T5Attention} for every self-attention of the encoder and decoder stacks."""
+    return {(side, i): block.layer[0].SelfAttention
+            for side in SIDES for i, block in enumerate(getattr(t5, side).block)}
+
+
+def use_prompted_attention(t5) -> None:
+    t5.set_attn_implementation(ATTN_NAME)
+
+
+@contextmanager
+def attach(t5, prompts: dict | None = None, recorders: dict | None = None):
+    """Attach per-layer prompts (and statistic recorders) to the self-attention modules for one call."""
+    modules = self_attention_modules(t5)
+    try:
+        for key, module in modules.items():
+            module.hp_prompt = (prompts or {}).get(key)
+            module.hp_recorder = (recorders or {}).get(key)
+        yield
+    finally:
+        for module in modules.values():
+            module.hp_prompt = None
+            module.hp_recorder = None

@@ -1,0 +1,74 @@
+"""T5 backbones: named shapes built offline from their published configs, or checkpoints via `from_pretrained`.
+
+A named shape (`t5-tiny`, `t5-base`, `t5-v1_1-large`, ...) gets random weights and needs nothing from outside.
+Anything else is a local checkpoint directory or a hub id (e.g. `google-t5/t5-base`) for `from_pretrained`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import T5Config, T5ForConditionalGeneration
+
+from hpsearch.errors import ConfigError
+
+_V1 = dict(feed_forward_proj="relu", vocab_size=32128)
+_V11 = dict(feed_forward_proj="gated-gelu", vocab_size=32128, tie_word_embeddings=False)
+
+# d_model, d_ff, layers (encoder = decoder), heads, d_kv: the values of the published configs.
+NAMED_SHAPES: dict[str, dict] = {
+    "t5-tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, feed_forward_proj="relu",
+                    vocab_size=4096, dropout_rate=0.0),
+    "t5-small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64, **_V1),
+    "t5-base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, **_V1),
+    "t5-large": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64, **_V1),
+    "t5-3b": dict(d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128, **_V1),
+    "t5-11b": dict(d_model=1024, d_ff=65536, num_layers=24, num_heads=128, d_kv=128, **_V1),
+    "t5-v1_1-small": dict(d_model=512, d_ff=1024, num_layers=8, num_heads=6, d_kv=64, **_V11),
+    "t5-v1_1-base": dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12, d_kv=64, **_V11),
+    "t5-v1_1-large": dict(d_model=1024, d_ff=2816, num_layers=24, num_heads=16, d_kv=64, **_V11),
+    "t5-v1_1-xl": dict(d_model=2048, d_ff=5120, num_layers=24, num_heads=32, d_kv=64, **_V11),
+    "t5-v1_1-xxl": dict(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64, **_V11),
+}
+
+
+def is_named_shape(backbone) -> bool:
+    return isinstance(backbone, str) and backbone in NAMED_SHAPES
+
+
+def named_config(name: str, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
+    if name not in NAMED_SHAPES:
+        raise ConfigError(f"model.backbone: {name!r} is not a named shape; known: {', '.join(NAMED_SHAPES)}")
+    values = dict(NAMED_SHAPES[name])
+    if vocab_size is not None:
+        values["vocab_size"] = vocab_size
+    if dropout is not None:
+        values["dropout_rate"] = dropout
+    return T5Config(**values, num_decoder_layers=values["num_layers"], decoder_start_token_id=0,
+                    pad_token_id=0, eos_token_id=1)
+
+
+def backbone_config(backbone, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
+    """The T5Config of a backbone, without building weights (hub/local: reads the config file only)."""
+    if isinstance(backbone, T5Config):
+        return backbone
+    if is_named_shape(backbone):
+        return named_config(backbone, vocab_size, dropout)
+    try:
+        config = T5Config.from_pretrained(backbone)
+    except Exception as e:  # no internet, no such path: a user mistake, one line
+        raise ConfigError(f"model.backbone: cannot load a T5 config from {backbone!r} "
+                          f"({type(e).__name__}); expected a named shape ({', '.join(NAMED_SHAPES)}), "
+                          "a local checkpoint directory or a reachable hub id") from None
+    if dropout is not None:
+        config.dropout_rate = dropout
+    return config
+
+
+def load_backbone(backbone, vocab_size: int | None = None, dropout: float | None = None
+                  ) -> T5ForConditionalGeneration:
+    """A T5ForConditionalGeneration: random weights for a named shape or config, else `from_pretrained`."""
+    if isinstance(backbone, T5Config) or is_named_shape(backbone):
+        return T5ForConditionalGeneration(backbone_config(backbone, vocab_size, dropout))
+    config = backbone_config(backbone, dropout=dropout)
+    source = str(Path(backbone)) if Path(backbone).exists() else backbone
+    return T5ForConditionalGeneration.from_pretrained(source, config=config)

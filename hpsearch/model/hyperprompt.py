@@ -1,0 +1,156 @@
+"""HyperPrompt (He et al., ICML 2022): hypernetwork-generated key/value prompts for T5 self-attention.
+
+For task tau and prompted block m:  P_k = U_k(ReLU(D_k(P_tau))),  P_v = U_v(ReLU(D_v(P_tau))),
+with P_tau in R^{l x d} the task's global prompt (one per prompted side), D: d -> b, U: b -> d_inner.
+
+- share:  one pair of local hypernetworks (h_k, h_v) per block, shared by all tasks.
+- sep:    one pair per block *and task*.
+- global: k_tau (t') and z_m (t') -> projection net (2t' -> e -> t) -> I_tau^m (t) -> global hypernetworks
+          H_k, H_v (linear in I) emit the D and U matrices of the local hypernetworks.
+
+Prompts are computed for *all* tasks on every call, then indexed by the batch's task ids: every data-parallel
+rank then calls the same modules in the same order (ZeRO-3 gathers parameters collectively per module call),
+and a batch may mix tasks. Nothing here reads a parameter outside its own module's forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpsearch.model.attention import SIDES
+from hpsearch.model.base import MultiTaskT5
+
+
+class TaskLinear(nn.Module):
+    """`copies` independent linear maps applied per task: x [T, n, d_in] -> [T, n, d_out].
+
+    copies=1 shares one map across all tasks (HyperPrompt-Share), copies=T gives each task its own (Sep).
+    """
+
+    def __init__(self, copies: int, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(copies, d_in, d_out))
+        self.bias = nn.Parameter(torch.zeros(copies, 1, d_out)) if bias else None
+        nn.init.uniform_(self.weight, -d_in ** -0.5, d_in ** -0.5)  # nn.Linear's default range
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+
+class LocalHypernets(nn.Module):
+    """h_k and h_v of one block: up(ReLU(down(P))), d -> b -> d_inner, for keys and values."""
+
+    def __init__(self, copies: int, d_model: int, bottleneck: int, d_inner: int, bias: bool):
+        super().__init__()
+        self.down_k = TaskLinear(copies, d_model, bottleneck, bias)
+        self.up_k = TaskLinear(copies, bottleneck, d_inner, bias)
+        self.down_v = TaskLinear(copies, d_model, bottleneck, bias)
+        self.up_v = TaskLinear(copies, bottleneck, d_inner, bias)
+
+    def forward(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.up_k(F.relu(self.down_k(prompts))), self.up_v(F.relu(self.down_v(prompts)))
+
+
+class GlobalHypernets(nn.Module):
+    """HyperPrompt-Global: layer-aware task embeddings I_tau^m drive H_k, H_v, which emit D and U per block."""
+
+    def __init__(self, num_tasks: int, num_layers: int, d_model: int, d_inner: int, cfg, bias: bool):
+        super().__init__()
+        b, t1, t, e = cfg.bottleneck, cfg.task_embedding_dim, cfg.layer_task_dim, cfg.projection_hidden
+        self.shape = (d_model, b, d_inner)
+        self.bias = bias
+        out = d_model * b + b * d_inner + ((b + d_inner) if bias else 0)
+        self.task_embeddings = nn.Embedding(num_tasks, t1)
+        self.layer_embeddings = nn.Embedding(num_layers, t1)
+        self.projection = nn.Sequential(nn.Linear(2 * t1, e, bias=bias), nn.ReLU(), nn.Linear(e, t, bias=bias))
+        self.hyper_k = nn.Linear(t, out, bias=bias)
+        self.hyper_v = nn.Linear(t, out, bias=bias)
+        for emb in (self.task_embeddings, self.layer_embeddings):
+            nn.init.normal_(emb.weight, std=t1 ** -0.5)
+
+    def _local(self, weights: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
+        """Apply generated local nets: weights [T, out], prompts [T, l, d] -> [T, l, d_inner]."""
+        d, b, di = self.shape
+        down, up = weights[:, : d * b].view(-1, d, b), weights[:, d * b: d * b + b * di].view(-1, b, di)
+        h = prompts @ down
+        if self.bias:
+            h = h + weights[:, d * b + b * di: d * b + b * di + b].unsqueeze(1)
+        y = F.relu(h) @ up
+        if self.bias:
+            y = y + weights[:, -di:].unsqueeze(1)
+        return y
+
+    def forward(self, layer_prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """layer_prompts[m]: the global prompts [T, l, d] feeding prompted block m (in layer-embedding order)."""
+        num_tasks, num_layers = self.task_embeddings.num_embeddings, len(layer_prompts)
+        device = layer_prompts[0].device
+        tasks = self.task_embeddings(torch.arange(num_tasks, device=device))          # [T, t']
+        layers = self.layer_embeddings(torch.arange(num_layers, device=device))       # [M, t']
+        pairs = torch.cat([tasks[None].expand(num_layers, -1, -1),
+                           layers[:, None].expand(-1, num_tasks, -1)], dim=-1)      # [M, T, 2t']
+        task_layer = self.projection(pairs)                                          # I: [M, T, t]
+        wk, wv = self.hyper_k(task_layer), self.hyper_v(task_layer)                  # [M, T, out]
+        return [(self._local(wk[m], p), self._local(wv[m], p)) for m, p in enumerate(layer_prompts)]
+
+
+class HyperPromptT5(MultiTaskT5):
+    """Multi-task T5 whose prompted self-attention layers get per-task hyper-prompts."""
+
+    def __init__(self, t5, tasks, cfg):
+        super().__init__(t5, tasks, cfg)
+        c = t5.config
+        d, self.n_heads, self.d_kv, self.d_model = c.d_model, c.num_heads, c.d_kv, c.d_model
+        d_inner = c.num_heads * c.d_kv
+        n_tasks = len(self.tasks)
+        self.layer_keys = [(side, i) for side in SIDES if side in cfg.prompted_sides()
+                           for i in range(len(getattr(t5, side).block))]
+        # Global prompts P_tau, one set per prompted side: an embedding row per task (never read as .weight).
+        self.global_prompts = nn.ModuleDict({
+            side: nn.Embedding(n_tasks, cfg.prompt_length(side) * d) for side in cfg.prompted_sides()})
+        for emb in self.global_prompts.values():
+            nn.init.normal_(emb.weight, std=1.0)  # T5 embeddings' scale: the prompts live where hidden states do
+        if cfg.variant == "global":
+            self.global_hypernets = GlobalHypernets(n_tasks, len(self.layer_keys), d, d_inner, cfg,
+                                                    cfg.hypernet_bias)
+        else:
+            copies = 1 if cfg.variant == "share" else n_tasks
+            self.local_hypernets = nn.ModuleDict({
+                f"{side}_{i}": LocalHypernets(copies, d, cfg.bottleneck, d_inner, cfg.hypernet_bias)
+                for side, i in self.layer_keys})
+
+    def generate_prompts(self) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+        """Run the generators for every task: {(side, layer): (keys, values)}, each [T, heads, l, d_kv]."""
+        n_tasks = len(self.tasks)
+        device = next(self.t5.parameters()).device
+        ids = torch.arange(n_tasks, device=device)
+        side_prompts = {side: emb(ids).view(n_tasks, self.cfg.prompt_length(side), self.d_model)
+                        for side, emb in self.global_prompts.items()}
+        layer_prompts = [side_prompts[side] for side, _ in self.layer_keys]
+        if self.cfg.variant == "global":
+            pairs = self.global_hypernets(layer_prompts)
+        else:
+            pairs = [self.local_hypernets[f"{side}_{i}"](p) for (side, i), p in zip(self.layer_keys, layer_prompts)]
+        return {key: tuple(self._heads(x) for x in pair) for key, pair in zip(self.layer_keys, pairs)}
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, l, heads * d_kv] -> [T, heads, l, d_kv], the layout of T5's keys and values."""
+        return x.view(x.shape[0], x.shape[1], self.n_heads, self.d_kv).transpose(1, 2)
+
+    def extra_parameters(self) -> dict[str, int]:
+        parts = {"global_prompts": self.global_prompts}
+        if self.cfg.variant == "global":
+            g = self.global_hypernets
+            parts.update(task_embeddings=g.task_embeddings, layer_embeddings=g.layer_embeddings,
+                         projection=g.projection, global_hypernets=nn.ModuleList([g.hyper_k, g.hyper_v]))
+        else:
+            parts["local_hypernets"] = self.local_hypernets
+        counts = {name: _count(module) for name, module in parts.items()}
+        counts["total"] = sum(counts.values())
+        return counts
+
+
+def _count(module: nn.Module) -> int:
+    """Trainable parameters, also under ZeRO-3 (where a partitioned parameter's local numel is 0)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)

@@ -1,0 +1,353 @@
+"""HyperPrompt T5 against independent computations: stock T5 with the same weights, hand-written attention."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+from hpsearch.errors import ConfigError
+from hpsearch.model import build_model
+
+VARIANTS = ("share", "sep", "global")
+PLACEMENTS = ("encoder", "decoder", "both")
+TASKS = ["a", "b", "c"]
+
+
+def tiny_config(**kw) -> T5Config:
+    values = dict(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8, vocab_size=64,
+                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                  relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    values.update(kw)
+    return T5Config(**values)
+
+
+def hp(variant="global", placement="both", l_enc=3, l_dec=2, seed=0, config=None, **kw):
+    torch.manual_seed(seed)
+    return build_model(config or tiny_config(), "hyperprompt", TASKS, variant=variant, placement=placement,
+                       prompt_length_encoder=l_enc, prompt_length_decoder=l_dec, bottleneck=4,
+                       task_embedding_dim=5, layer_task_dim=6, projection_hidden=7, **kw).eval()
+
+
+def stock_copy(model) -> T5ForConditionalGeneration:
+    stock = T5ForConditionalGeneration(model.t5.config.__class__(**model.t5.config.to_dict()))
+    stock.load_state_dict(model.t5.state_dict())
+    stock.set_attn_implementation("eager")
+    return stock.eval()
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(3, 64, (4, 9), generator=g)
+    am = torch.ones_like(x)
+    am[1, 6:] = 0
+    am[3, 4:] = 0
+    x[am == 0] = 0
+    y = torch.randint(3, 64, (4, 5), generator=g)
+    y[2, 3:] = -100  # padded label positions
+    return dict(input_ids=x, attention_mask=am, labels=y, task_ids=torch.tensor([0, 1, 2, 0]))
+
+
+def logits(model, batch, **kw):
+    with torch.no_grad():
+        return model(**{**batch, **kw}).logits
+
+
+# ---- equality with stock T5 -------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["mtl", "hyperprompt"])
+def test_unprompted_equals_stock_t5(method, batch):
+    torch.manual_seed(0)
+    extra = {} if method == "mtl" else dict(prompt_length_encoder=0, prompt_length_decoder=0, placement="both")
+    model = build_model(tiny_config(), method, TASKS, **extra).eval()
+    stock = stock_copy(model)
+    with torch.no_grad():
+        ref = stock(**{k: v for k, v in batch.items() if k != "task_ids"})
+    out = model(**batch)
+    assert (out.logits - ref.logits).abs().max() <= 1e-5
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5
+
+
+def test_placement_decoder_leaves_encoder_as_stock(batch):
+    model = hp(placement="decoder")
+    stock = stock_copy(model)
+    with torch.no_grad():
+        ours = model.t5.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        ref = stock.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        # the same encoder, now inside a full prompted forward (hooks see what the decoder's forward runs)
+        seen = {}
+        h = model.t5.encoder.register_forward_hook(lambda m, a, o: seen.update(enc=o.last_hidden_state))
+        model(**batch)
+        h.remove()
+    assert {side for side, _ in model.hyper_prompts(batch["task_ids"])} == {"decoder"}
+    assert (seen["enc"] - ref.last_hidden_state).abs().max() <= 1e-5
+    assert (ours.last_hidden_state - ref.last_hidden_state).abs().max() <= 1e-5
+    # ...while the decoder does change
+    assert (logits(model, batch) - stock(**{k: v for k, v in batch.items() if k != "task_ids"}).logits
+            ).abs().max() > 1e-3
+
+
+def test_placement_encoder_leaves_decoder_unprompted(batch):
+    model = hp(placement="encoder")
+    stock = stock_copy(model)
+    assert {side for side, _ in model.hyper_prompts(batch["task_ids"])} == {"encoder"}
+    with torch.no_grad():
+        enc = model(**batch, output_hidden_states=True).encoder_last_hidden_state
+        stock_enc = stock.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        assert (enc - stock_enc.last_hidden_state).abs().max() > 1e-3  # the encoder is prompted
+        # given the same (prompted) encoder states, our decoder equals stock T5's decoder
+        from transformers.modeling_outputs import BaseModelOutput
+        ours = model(**batch, encoder_outputs=BaseModelOutput(last_hidden_state=enc)).logits
+        ref = stock(attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    encoder_outputs=BaseModelOutput(last_hidden_state=enc)).logits
+    assert (ours - ref).abs().max() <= 1e-5
+
+
+# ---- one layer against hand-written attention --------------------------------------------------------------
+def hand_attention(module, rel_module, hidden, pk, pv, key_mask, causal):
+    """softmax(Q [P_k; K]^T + [0 | bias] + [0 | mask]) [P_v; V] then the output projection, written out."""
+    b, n, _ = hidden.shape
+    heads, dkv = module.n_heads, module.key_value_proj_dim
+    split = lambda x: x.view(b, n, heads, dkv).transpose(1, 2)
+    q, k, v = split(hidden @ module.q.weight.T), split(hidden @ module.k.weight.T), split(hidden @ module.v.weight.T)
+    k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+    bias = rel_module.compute_bias(n, n, device=hidden.device)                    # [1, H, n, n]
+    allowed = key_mask[:, None, None, :].bool().expand(b, 1, n, n)
+    if causal:
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool).tril()
+    bias = bias + torch.where(allowed, 0.0, torch.finfo(hidden.dtype).min)
+    l = pk.shape[2]
+    scores = q @ k.transpose(-1, -2) + torch.cat([torch.zeros(b, heads, n, l), bias], -1)
+    probs = torch.softmax(scores, -1)
+    out = (probs @ v).transpose(1, 2).reshape(b, n, heads * dkv) @ module.o.weight.T
+    return out, probs
+
+
+@pytest.mark.parametrize("side,layer", [("encoder", 0), ("encoder", 1), ("decoder", 0), ("decoder", 1)])
+def test_layer_equals_hand_written_attention(side, layer, batch):
+    model = hp(variant="sep")
+    stack = getattr(model.t5, side)
+    module = stack.block[layer].layer[0].SelfAttention
+    captured = {}
+    handle = module.register_forward_hook(
+        lambda m, args, kwargs, out: captured.update(h=args[0] if args else kwargs["hidden_states"], out=out[0]),
+        with_kwargs=True)
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    pk, pv = model.hyper_prompts(batch["task_ids"])[(side, layer)]
+    if side == "encoder":
+        key_mask = batch["attention_mask"]
+    else:  # decoder self-attention: no padding mask given, so all decoder positions are keys (causal only)
+        key_mask = torch.ones(captured["h"].shape[:2], dtype=torch.long)
+    with torch.no_grad():
+        ref, _ = hand_attention(module, stack.block[0].layer[0].SelfAttention, captured["h"], pk, pv, key_mask,
+                                causal=side == "decoder")
+    real = key_mask.bool() if side == "encoder" else torch.ones_like(key_mask).bool()
+    assert (captured["out"][real] - ref[real]).abs().max() <= 1e-5
+    assert pk.shape == (4, 4, 3 if side == "encoder" else 2, 8)
+
+
+def test_attention_stats_match_hand_computation(batch):
+    model = hp(variant="share")
+    stats = model.attention_stats(batch)
+    module = model.t5.encoder.block[1].layer[0].SelfAttention
+    captured = {}
+    handle = module.register_forward_hook(
+        lambda m, args, kwargs, out: captured.update(h=args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True)
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    pk, pv = model.hyper_prompts(batch["task_ids"])[("encoder", 1)]
+    with torch.no_grad():
+        _, probs = hand_attention(module, model.t5.encoder.block[0].layer[0].SelfAttention, captured["h"], pk, pv,
+                                  batch["attention_mask"], causal=False)
+    q = batch["attention_mask"].bool()
+    mass = probs[..., :3].sum(-1).mean(1)[q].mean()                      # heads, then real queries
+    real = probs[..., 3:] / probs[..., 3:].sum(-1, keepdim=True)
+    ent = -(real * torch.log(real.clamp_min(1e-30))).sum(-1).mean(1)[q].mean()
+    got = stats["encoder"][1]
+    assert got["layer"] == 1
+    assert got["prompt_mass"] == pytest.approx(mass.item(), abs=1e-5)
+    assert got["token_entropy"] == pytest.approx(ent.item(), abs=1e-5)
+    assert len(stats["decoder"]) == 2 and 0 < stats["decoder"][0]["prompt_mass"] < 1
+    mtl = build_model(tiny_config(), "mtl", TASKS).eval()
+    assert all(s["prompt_mass"] == 0 for s in mtl.attention_stats(batch)["encoder"])
+
+
+def test_hyper_prompts_are_what_attention_receives(batch):
+    model = hp(variant="global")
+    expected = model.hyper_prompts(batch["task_ids"])
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, key=key: seen.update({key: m.hp_prompt}))
+             for key, m in model_self_attention(model).items()]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    assert set(seen) == set(expected) == {(s, i) for s in ("encoder", "decoder") for i in range(2)}
+    for key, (k, v) in expected.items():
+        assert k.shape == (4, 4, 3 if key[0] == "encoder" else 2, 8)
+        assert torch.equal(seen[key][0], k) and torch.equal(seen[key][1], v)
+
+
+def model_self_attention(model):
+    from hpsearch.model.attention import self_attention_modules
+    return self_attention_modules(model.t5)
+
+
+# ---- task conditioning ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tasks_condition_and_mixed_batches(variant, batch):
+    model = hp(variant=variant)
+    same = {**batch, "task_ids": torch.zeros(4, dtype=torch.long)}
+    other = {**batch, "task_ids": torch.ones(4, dtype=torch.long)}
+    assert (logits(model, same) - logits(model, other)).abs().max() > 1e-3
+    mixed = logits(model, batch)
+    for row, task in enumerate(batch["task_ids"].tolist()):
+        single = {**batch, "task_ids": torch.full((4,), task)}
+        assert (logits(model, single)[row] - mixed[row]).abs().max() <= 1e-5
+
+
+# ---- generation ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant,placement", [("global", "both"), ("share", "decoder"), ("sep", "encoder")])
+def test_cached_generate_equals_uncached(variant, placement, batch):
+    model = hp(variant=variant, placement=placement, seed=3, config=tiny_config(d_model=64, d_kv=16))
+    overfit(model, batch)  # an untrained model decodes one token over and over: make decoding non-trivial
+    args = dict(max_new_tokens=6, do_sample=False, num_beams=1, output_scores=True, return_dict_in_generate=True,
+                eos_token_id=None, min_new_tokens=6)
+    with torch.no_grad():
+        cached = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                use_cache=True, **args)
+        uncached = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                  use_cache=False, **args)
+        assert torch.equal(cached.sequences, uncached.sequences)
+        assert len(set(cached.sequences[:, 1:].flatten().tolist())) > 2  # a real decode, not one token repeated
+        # every step's scores equal a full teacher-forced forward over the decoded prefix
+        full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     decoder_input_ids=cached.sequences[:, :-1], task_ids=batch["task_ids"]).logits
+    steps = torch.stack(cached.scores, 1)
+    assert (steps - full).abs().max() <= 1e-4
+
+
+def overfit(model, batch, steps=30):
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+    model.eval()
+
+
+def test_beam_search_runs_with_prompts(batch):
+    model = hp()
+    with torch.no_grad():
+        out = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                             max_new_tokens=4, num_beams=3, num_return_sequences=2)
+    assert out.shape[0] == 8
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_frozen_prompts_equal_dynamic_and_skip_generators(variant, batch, monkeypatch):
+    model = hp(variant=variant)
+    dynamic = logits(model, batch)
+    with torch.no_grad():
+        gen_dyn = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                 max_new_tokens=4)
+    model.freeze_prompts()
+    monkeypatch.setattr(model, "generate_prompts", lambda: (_ for _ in ()).throw(AssertionError("called")))
+    assert torch.equal(logits(model, batch), dynamic)
+    with torch.no_grad():
+        assert torch.equal(model.generate(batch["input_ids"], batch["attention_mask"],
+                                          task_ids=batch["task_ids"], max_new_tokens=4), gen_dyn)
+    monkeypatch.undo()
+    model.train()
+    assert not model.prompts_frozen
+
+
+# ---- gradients ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant,bias", list(itertools.product(VARIANTS, [False, True])))
+def test_gradients_reach_every_generator_parameter(variant, bias, batch):
+    model = hp(variant=variant, hypernet_bias=bias).train()
+    model(**batch).loss.backward()
+    generator = {n: p for n, p in model.named_parameters() if not n.startswith("t5.")}
+    assert generator
+    for name, p in generator.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    # Sep: each task's own hypernetworks get gradient only from its rows
+    assert model.t5.shared.weight.grad is not None
+
+
+def test_train_task_params_only_freezes_backbone(batch):
+    model = hp(variant="share", train_task_params_only=True).train()
+    model(**batch).loss.backward()
+    assert all(p.grad is None for p in model.t5.parameters())
+    assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("t5."))
+
+
+# ---- parameter counts --------------------------------------------------------------------------------------------
+def formula(variant, d, b, l, T, M, t1, t, e):
+    prompts = d * l * T
+    if variant == "share":
+        return prompts + 4 * b * d * M
+    if variant == "sep":
+        return prompts + 4 * b * d * M * T
+    return prompts + 4 * b * d * t + T * t1 + M * t1 + (2 * t1 + t) * e
+
+
+@pytest.mark.parametrize("variant,placement", list(itertools.product(VARIANTS, PLACEMENTS)))
+@pytest.mark.parametrize("shape", [dict(d_model=32, num_heads=4, d_kv=8, num_layers=2, num_decoder_layers=2),
+                                   dict(d_model=48, num_heads=6, d_kv=8, num_layers=3, num_decoder_layers=1)])
+def test_extra_parameters_match_paper_formula(variant, placement, shape):
+    tasks = ["t0", "t1", "t2", "t3", "t4"]
+    le, ld, b, t1, t, e = 7, 3, 5, 4, 6, 9
+    model = build_model(tiny_config(**shape), "hyperprompt", tasks, variant=variant, placement=placement,
+                        prompt_length_encoder=le, prompt_length_decoder=ld, bottleneck=b, task_embedding_dim=t1,
+                        layer_task_dim=t, projection_hidden=e)
+    enc, dec = placement in ("encoder", "both"), placement in ("decoder", "both")
+    l = le * enc + ld * dec
+    M = shape["num_layers"] * enc + shape["num_decoder_layers"] * dec
+    counts = model.extra_parameters()
+    assert counts["total"] == formula(variant, shape["d_model"], b, l, len(tasks), M, t1, t, e)
+    assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
+    backbone = sum(p.numel() for p in model.t5.parameters())
+    assert sum(p.numel() for p in model.parameters()) == backbone + counts["total"]
+
+
+def test_extra_parameters_with_bias_count_the_real_modules():
+    model = hp(variant="share", hypernet_bias=True)
+    without = hp(variant="share", hypernet_bias=False)
+    # 4 layers x (down_k, down_v: b=4 each; up_k, up_v: d_inner=32 each)
+    assert model.extra_parameters()["total"] - without.extra_parameters()["total"] == 4 * (2 * 4 + 2 * 32)
+    assert build_model(tiny_config(), "mtl", TASKS).extra_parameters() == {"total": 0}
+
+
+# ---- construction and errors ----------------------------------------------------------------------------------------
+def test_named_shapes_build_offline_with_published_sizes():
+    from hpsearch.model import backbone_config
+    base = backbone_config("t5-base")
+    assert (base.d_model, base.d_ff, base.num_layers, base.num_heads, base.vocab_size) == (768, 3072, 12, 12, 32128)
+    v11 = backbone_config("t5-v1_1-base")
+    assert v11.is_gated_act and v11.d_ff == 2048
+    model = build_model("t5-tiny", "hyperprompt", TASKS)
+    assert model.t5.config.d_model == 64
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(variant="shared"), "model.variant"),
+    (dict(placement="middle"), "model.placement"),
+    (dict(prompt_length_encoder=-1), "model.prompt_length_encoder"),
+    (dict(bottleneck=0), "model.bottleneck"),
+    (dict(prompt_lenght=3), "model.prompt_lenght: unknown field"),
+])
+def test_bad_hparams_are_config_errors(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        build_model(tiny_config(), "hyperprompt", TASKS, **bad)
+
+
+def test_task_ids_out_of_range_is_an_error(batch):
+    with pytest.raises(ValueError, match="task_ids"):
+        hp()(**{**batch, "task_ids": torch.tensor([0, 1, 2, 3])})
