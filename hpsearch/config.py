@@ -1,0 +1,243 @@
+"""Run configs: dataclasses filled from a YAML file and dotted `key=value` overrides, validated on entry.
+
+    cfg = load_config("run.yaml", ["model.variant=global", "train.max_steps=200"])
+
+Sections: `model` (hpsearch.model.config), `data` (hpsearch.data.config), `train` (below). Every mistake is a
+one-line `ConfigError` naming the file and line or the override, the field, and what would be valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpsearch.data.config import DataConfig
+from hpsearch.errors import ConfigError
+from hpsearch.model.config import ModelConfig
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    num_workers: int = 2                  # data-parallel Ray Train workers (one DeepSpeed rank each)
+    use_gpu: bool = False                 # GPU workers: NCCL and bf16; CPU workers: gloo and fp32
+    cpus_per_worker: float = 0.9          # Ray resources per worker (the Tune driver keeps 0.1 of a CPU)
+    gpus_per_worker: float = 1.0
+    precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
+    zero_stage: int = 3
+    offload_optimizer: bool = False       # ZeRO-Offload of optimizer states to CPU
+    offload_params: bool = False          # ZeRO-Infinity style parameter offload to CPU (stage 3)
+    micro_batch_size: int = 16            # per worker
+    grad_accum: int = 1
+    max_steps: int = 300                  # optimizer steps
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batch_size: int = 64
+    max_new_tokens: int = 8
+    log_every: int = 20
+    seed: int = 0
+    output_dir: str = "runs/train"
+    debug_nan_at_step: int | None = None  # fault injection for tests: the loss becomes NaN at this step
+
+    def validate(self) -> None:
+        positive = ("num_workers", "micro_batch_size", "grad_accum", "max_steps", "eval_every", "eval_batch_size",
+                    "max_new_tokens", "log_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}: {getattr(self, name)!r} is out of range; expected an integer >= 1")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.precision in ("bf16", "fp16") and not self.use_gpu:
+            raise ConfigError(f"train.precision: {self.precision} needs GPU workers (train.use_gpu=true); "
+                              "CPU runs use fp32")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage: {self.zero_stage!r} is not one of 0, 1, 2, 3")
+        if self.offload_params and self.zero_stage != 3:
+            raise ConfigError("train.offload_params: parameter offload needs train.zero_stage=3")
+        if not 0 < self.lr < 1:
+            raise ConfigError(f"train.lr: {self.lr!r} is out of range; expected 0 < lr < 1")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("train.warmup_steps, weight_decay, grad_clip: expected values >= 0")
+        if self.cpus_per_worker <= 0:
+            raise ConfigError(f"train.cpus_per_worker: {self.cpus_per_worker!r}; expected > 0 (Ray refuses 0)")
+        if not self.output_dir:
+            raise ConfigError("train.output_dir: empty; expected a directory path")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        for section in SECTIONS:
+            getattr(self, section).validate()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """{"model.variant": "global", ...}: one flat key per field (MLflow params, search spaces)."""
+        return {f"{s}.{k}": v for s, values in self.to_dict().items() for k, v in values.items()}
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+# ---- typed assignment ---------------------------------------------------------------------------------------------
+def _describe(tp) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return "a comma-separated list"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def coerce(value: Any, tp, where: str) -> Any:
+    """Convert a YAML value or an override string to the field's annotated type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+            if type(None) in options:
+                return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return coerce(value, option, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: {value!r} is not {_describe(tp)}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: {value!r} is not a list")
+        (item,) = typing.get_args(tp)
+        return [coerce(v, item, where) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{where}: {value!r} is not {_describe(tp)}")
+
+
+def field_types(section: str) -> dict[str, Any]:
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def set_field(cfg: RunConfig, dotted: str, value: Any, where: str) -> None:
+    section, _, name = dotted.partition(".")
+    if section not in SECTIONS or not name:
+        raise ConfigError(f"{where}: unknown key {dotted!r}; expected <section>.<field> with section one of "
+                          f"{', '.join(SECTIONS)}")
+    types_ = field_types(section)
+    if name not in types_:
+        raise ConfigError(f"{where}: unknown field {dotted!r}; {section} fields: {', '.join(types_)}")
+    setattr(getattr(cfg, section), name, coerce(value, types_[name], f"{where}: {dotted}"))
+
+
+# ---- YAML with line numbers ---------------------------------------------------------------------------------------
+def read_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
+    """(mapping, {dotted key: line}) of a YAML file; a parse error names the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        node = yaml.compose(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: malformed YAML ({getattr(e, 'problem', e)})") from None
+    if node is None:
+        return {}, {}
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: expected a mapping of sections at the top level")
+    lines: dict[str, int] = {}
+
+    def walk(n, prefix):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                key = f"{prefix}{k.value}"
+                lines[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+
+    walk(node, "")
+    data = yaml.safe_load(path.read_text()) or {}
+    return data, lines
+
+
+def apply_mapping(cfg: RunConfig, data: dict, source: str, lines: dict[str, int] | None = None) -> None:
+    """Assign `{section: {field: value}}` onto cfg; unknown sections/fields name the file and line."""
+    lines = lines or {}
+    where = lambda key: f"{source}:{lines[key]}" if key in lines else source
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{where(section)}: unknown section {section!r}; expected {', '.join(SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where(section)}: section {section!r} must be a mapping of field: value")
+        for name, value in values.items():
+            set_field(cfg, f"{section}.{name}", value, where(f"{section}.{name}"))
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. model.variant=global")
+    return key.strip(), value.strip()
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
+                base: dict | None = None) -> RunConfig:
+    """Defaults <- `base` mapping <- YAML file <- overrides, then validation."""
+    cfg = RunConfig()
+    if base:
+        apply_mapping(cfg, base, "<defaults>")
+    if path is not None:
+        data, lines = read_yaml(path)
+        apply_mapping(cfg, data, str(path), lines)
+    for text in overrides:
+        key, value = parse_override(text)
+        set_field(cfg, key, value, f"override {text!r}")
+    cfg.validate()
+    return cfg
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

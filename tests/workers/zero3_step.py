@@ -1,0 +1,52 @@
+"""Run under torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu): one ZeRO-3 training step per HyperPrompt variant.
+
+Writes a JSON report per rank to argv[1]; tests/test_zero3.py asserts on it.
+"""
+import copy
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hpsearch.model import build_model  # noqa: E402
+
+dist.init_process_group("gloo")
+deepspeed.init_distributed("gloo")
+rank = dist.get_rank()
+report = {}
+for variant in ("share", "sep", "global"):
+    torch.manual_seed(0)
+    model = build_model("t5-tiny", "hyperprompt", ["a", "b", "c"], variant=variant, placement="both",
+                        prompt_length_encoder=4, prompt_length_decoder=2, bottleneck=8)
+    plain = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(rank)  # each rank its own data shard
+    batch = dict(input_ids=torch.randint(3, 200, (2, 9), generator=g),
+                 labels=torch.randint(3, 200, (2, 4), generator=g),
+                 task_ids=torch.tensor([0, 2]) if rank == 0 else torch.tensor([1, 1]))
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with torch.no_grad():
+        plain_loss = plain(**batch).loss.item()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+              "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if not n.startswith("t5.")}
+    losses = []
+    for _ in range(3):
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        changed = {n: not torch.equal(p.detach(), dict(plain.named_parameters())[n].detach())
+                   for n, p in model.named_parameters() if not n.startswith("t5.")}
+    report[variant] = dict(plain_loss=plain_loss, losses=losses, local_shapes=local_shapes, changed=changed,
+                           extra=model.extra_parameters(), plain_extra=plain.extra_parameters())
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(report, f)
+dist.destroy_process_group()
