@@ -46,7 +46,9 @@ class TrainConfig:
     log_every: int = 20
     seed: int = 0
     output_dir: str = "runs/train"
-    debug_nan_at_step: int | None = None  # fault injection for tests: the loss becomes NaN at this step
+    max_failures: int = 0                 # Ray Train restarts from the last checkpoint after a worker failure
+    debug_nan_at_step: int | None = None  # fault injection (tests): the loss becomes NaN at this step
+    debug_crash_at_step: int | None = None  # fault injection (tests): rank 0 dies once at this step
 
     def validate(self) -> None:
         positive = ("num_workers", "micro_batch_size", "grad_accum", "max_steps", "eval_every", "eval_batch_size",

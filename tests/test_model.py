@@ -351,3 +351,18 @@ def test_bad_hparams_are_config_errors(bad, match):
 def test_task_ids_out_of_range_is_an_error(batch):
     with pytest.raises(ValueError, match="task_ids"):
         hp()(**{**batch, "task_ids": torch.tensor([0, 1, 2, 3])})
+
+
+def test_full_export_round_trip(tmp_path, batch):
+    from safetensors.torch import load_file
+
+    from hpsearch.model import save_export, save_task_params
+    model = hp(variant="global", hypernet_bias=True)
+    save_export(model, tmp_path / "full")
+    again = build_model(str(tmp_path / "full")).eval()
+    assert again.cfg == model.cfg and again.tasks == model.tasks
+    assert torch.equal(logits(again, batch), logits(model, batch))
+    save_task_params(model, tmp_path / "task")
+    saved = load_file(str(tmp_path / "task" / "task_params.safetensors"))
+    assert sum(t.numel() for t in saved.values()) == model.extra_parameters()["total"]
+    assert not any(k.startswith("t5.") for k in saved)

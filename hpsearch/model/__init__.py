@@ -12,12 +12,14 @@ from hpsearch.errors import ConfigError
 from hpsearch.model.backbones import NAMED_SHAPES, backbone_config, load_backbone
 from hpsearch.model.base import MultiTaskT5
 from hpsearch.model.config import ModelConfig
+from hpsearch.model.export import is_export, load_export, save_export, save_task_params
 from hpsearch.model.hyperprompt import HyperPromptT5
 from hpsearch.model.mtl import MultiTaskBaseline
 
 METHOD_CLASSES = {"mtl": MultiTaskBaseline, "hyperprompt": HyperPromptT5}
 
-__all__ = ["NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config", "build_model", "model_config"]
+__all__ = ["NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config", "build_model", "model_config",
+           "save_export", "save_task_params"]
 
 
 def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelConfig:
@@ -33,7 +35,10 @@ def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelCo
 
 
 def build_model(backbone="t5-tiny", method="hyperprompt", tasks=("task",), *, t5=None, **hparams) -> MultiTaskT5:
-    """Build a multi-task T5. `backbone`: named shape, T5Config, hub id or local path; `t5`: reuse this model."""
+    """Build a multi-task T5. `backbone`: named shape, T5Config, hub id, local checkpoint, or an hpsearch export
+    directory (`save_export`; then method, tasks and hparams come from the export). `t5`: reuse this T5."""
+    if is_export(backbone):
+        return load_export(backbone, build_model)
     if not tasks:
         raise ConfigError("tasks: empty; a multi-task model needs at least one task")
     cfg = model_config(backbone, method, **hparams)

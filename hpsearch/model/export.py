@@ -1,0 +1,67 @@
+"""Exports: the full model (loadable by `build_model`) and the task-specific parameters alone.
+
+A full export is a directory with `hpsearch_model.json` (the model config, the tasks, the T5 config) and
+`model.safetensors`; `build_model(<that directory>)` rebuilds and loads it. The task-parameter export holds
+only the parameters the method adds (`task_params.safetensors`) plus the same JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MARKER = "hpsearch_model.json"
+
+
+def is_export(path) -> bool:
+    return isinstance(path, (str, Path)) and (Path(path) / MARKER).is_file()
+
+
+def _meta(model) -> dict:
+    return {"model": dataclasses.asdict(model.cfg), "tasks": model.tasks, "t5_config": model.t5.config.to_dict()}
+
+
+def _tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # clone: safetensors refuses tensors that share storage (T5 ties its embeddings)
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+
+
+def save_export(model, directory, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a full export; `state` overrides `model.state_dict()` (e.g. gathered from ZeRO-3 partitions)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(_tensors(state if state is not None else model.state_dict()), str(directory / "model.safetensors"))
+    (directory / MARKER).write_text(json.dumps(_meta(model), indent=2, default=str))
+    return directory
+
+
+def save_task_params(model, directory, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write only the method's own parameters (everything outside the backbone `t5.`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = state if state is not None else model.state_dict()
+    save_file(_tensors({k: v for k, v in state.items() if not k.startswith("t5.")}),
+              str(directory / "task_params.safetensors"))
+    (directory / MARKER).write_text(json.dumps(_meta(model), indent=2, default=str))
+    return directory
+
+
+def load_export(directory, build):
+    """Rebuild the model of a full export with `build(t5_config, method, tasks, **hparams)` and load weights."""
+    from transformers import T5Config
+
+    directory = Path(directory)
+    meta = json.loads((directory / MARKER).read_text())
+    hparams = dict(meta["model"])
+    hparams.pop("backbone")
+    method = hparams.pop("method")
+    model = build(T5Config.from_dict(meta["t5_config"]), method, meta["tasks"], **hparams)
+    model.cfg.backbone = meta["model"]["backbone"]
+    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory}: export does not match the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    return model

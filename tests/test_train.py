@@ -1,0 +1,107 @@
+"""The training recipe: DeepSpeed config, local loop (loss, resume, NaN), and Ray Train with 2 ZeRO-3 workers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpsearch.config import load_config
+
+FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "train.micro_batch_size=16",
+        "data.synthetic_train_rows=300", "data.synthetic_eval_rows=60", "train.lr=3e-3", "train.warmup_steps=5"]
+
+
+def run_train(*args, timeout=600):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "hpsearch.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def final_json(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- DeepSpeed config ---------------------------------------------------------------------------------------------
+def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from hpsearch.train import build_trainer, deepspeed_config
+
+    cfg = load_config(None, ["train.use_gpu=true", "train.num_workers=1", "train.micro_batch_size=8",
+                             "train.grad_accum=4", "train.offload_optimizer=true"])
+    ds = deepspeed_config(cfg, world_size=1)
+    parsed = DeepSpeedConfig(ds)  # DeepSpeed's own validation of the generated dict
+    assert parsed.zero_optimization_stage == 3
+    assert parsed.bfloat16_config.enabled and not parsed.float16_config.enabled
+    assert parsed.train_batch_size == 8 * 4 and parsed.gradient_clipping == cfg.train.grad_clip
+    assert parsed.zero_config.offload_optimizer.device == "cpu"
+    trainer = build_trainer(cfg, name="gpu-form", storage_path="/tmp/hpsearch-gpu-form")
+    assert trainer.train_loop_config["run"]["train"]["use_gpu"] is True
+    assert trainer.scaling_config.use_gpu and trainer.scaling_config.resources_per_worker["GPU"] == 1.0
+    assert trainer.backend_config.backend == "nccl"
+    cpu = deepspeed_config(load_config(), world_size=2)
+    assert not cpu["bf16"]["enabled"] and cpu["zero_optimization"]["stage"] == 3
+
+
+def test_bad_override_is_one_line_error():
+    proc = run_train("train.max_step=3", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "unknown field 'train.max_step'" in proc.stderr
+    proc = run_train("data.tasks=first,nosuchtask", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nosuchtask" in proc.stderr
+
+
+# ---- local loop ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_local_run_resume_equals_uninterrupted(tmp_path):
+    full = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/full"))
+    assert full["step"] == 40 and set(full["tasks"]) and full["output_dir"] == str(tmp_path / "full")
+    assert (tmp_path / "full" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "full" / "task_params" / "task_params.safetensors").is_file()
+    assert (tmp_path / "full" / "config.yaml").is_file()
+    # resume from the step-20 checkpoint of the same run: the second half must repeat exactly
+    resumed = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/resumed",
+                                   "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20")))
+    assert resumed["step"] == 40
+    assert resumed["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-6)
+    assert resumed["score"] == pytest.approx(full["score"], abs=1e-6)
+    assert resumed["tasks"] == pytest.approx(full["tasks"], abs=1e-6)
+    # the exported model reloads with build_model and is a full model
+    from hpsearch.model import build_model
+    model = build_model(str(tmp_path / "full" / "model"))
+    assert model.cfg.variant == "global" and model.extra_parameters()["total"] == full["extra_params"]
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_clear_reason(tmp_path):
+    proc = run_train("--local", *FAST, "train.debug_nan_at_step=7", f"train.output_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert "non-finite loss" in proc.stderr and "at step 7" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- Ray Train: 2 workers, ZeRO-3 -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
+    args = [*FAST, "train.num_workers=2", "train.micro_batch_size=8"]
+    base = final_json(run_train(*args, f"train.output_dir={tmp_path}/a"))
+    history = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert [h["step"] for h in history] == [20, 40]
+    assert history[-1]["loss"] < history[0]["loss"] and base["loss"] == history[-1]["loss"]
+    # a worker dies at step 25; Ray Train restarts both ranks from the step-20 checkpoint and finishes
+    crashed = final_json(run_train(*args, "train.debug_crash_at_step=25", "train.max_failures=1",
+                                   f"train.output_dir={tmp_path}/b"))
+    assert crashed["step"] == 40
+    assert crashed["loss"] == pytest.approx(base["loss"], rel=1e-4)
+    assert crashed["score"] == pytest.approx(base["score"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_ray_nan_loss_is_reported_not_hung(tmp_path):
+    proc = run_train(*FAST, "train.num_workers=2", "train.debug_nan_at_step=3", f"train.output_dir={tmp_path}")
+    assert proc.returncode == 2 and "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
