@@ -158,6 +158,8 @@ def train_loop(loop_config: dict, session=None) -> dict:
         step, best = client["step"], client["best"]
         torch.set_rng_state(client["rng"])
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
+        if isinstance(session, RaySession):
+            shutil.rmtree(resume_dir, ignore_errors=True)  # a downloaded copy of the Ray checkpoint
 
     out_dir = Path(cfg.train.output_dir)
     if rank == 0:
@@ -188,6 +190,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
             tokens += int(batch["attention_mask"].sum() + (batch["labels"] != -100).sum()) * world
         step += 1
         if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
+            time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
             os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
         loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
@@ -321,8 +324,11 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     resources = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:
         resources["GPU"] = cfg.train.gpus_per_worker
+    import importlib
+    # by reference (module hpsearch.train), even when this file runs as __main__ (`python -m hpsearch.train`)
+    loop = importlib.import_module("hpsearch.train")._ray_train_loop
     return TorchTrainer(
-        _ray_train_loop,
+        loop,
         train_loop_config={"run": cfg.to_dict()},
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
@@ -339,16 +345,23 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
     import ray
     import ray.train
 
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                  runtime_env={"env_vars": runtime_env_vars(cfg)}, log_to_driver=True)
     storage = str(Path(cfg.train.output_dir, "ray").resolve())
     ckpt = ray.train.Checkpoint.from_directory(resume_from) if resume_from else None
-    trainer = build_trainer(cfg, name="train", storage_path=storage, resume_from_checkpoint=ckpt)
+    name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
+    trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from_checkpoint=ckpt)
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps a worker's error; surface its reason in one line
+        if os.environ.get("HPSEARCH_DEBUG"):
+            raise
         raise TrainingFailed(_reason(e)) from None
+    finally:
+        if started:
+            ray.shutdown()  # flushes worker logs before the final JSON line
     return dict(result.metrics)
 
 
@@ -361,7 +374,9 @@ def _reason(e: BaseException) -> str:
     for line in text.splitlines():
         if "non-finite loss" in line:
             return line.strip().split("NonFiniteLoss: ")[-1]
-    return f"training failed: {text.strip().splitlines()[-1] if text.strip() else type(e).__name__}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("=-")]
+    errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
+    return f"training failed: {(errors or lines or [type(e).__name__])[-1]}"
 
 
 # ---- command line -----------------------------------------------------------------------------------------------

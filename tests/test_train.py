@@ -22,7 +22,9 @@ def run_train(*args, timeout=600):
 
 def final_json(proc) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith('{"step"'), proc.stdout[-2000:]
+    return json.loads(last)
 
 
 # ---- DeepSpeed config ---------------------------------------------------------------------------------------------
