@@ -1,0 +1,118 @@
+"""Tokenizers without downloads, and examples -> tensors for T5.
+
+A backbone that is a local checkpoint or a hub name uses that checkpoint's own tokenizer. The offline
+shapes (`t5-tiny`, `t5-small`, ..., `t5-v1_1-*`: random weights built from a config) get a byte-level BPE
+tokenizer trained with `tokenizers` on the suite's training texts: any string encodes (bytes are the base
+alphabet, so nothing is ever <unk>), decoding is exact, and the trainer is deterministic, so the same texts
+and size give the same ids in every process. It is cached on disk under a hash of its inputs. Ids follow
+T5: <pad>=0, </s>=1 (appended to every sequence), <unk>=2.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from hpsearch.data._util import one_line
+from hpsearch.data.config import DataConfig
+from hpsearch.data.spec import Example
+from hpsearch.errors import ConfigError, DataError
+
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5
+_OFFLINE_SHAPE = re.compile(r"t5-(tiny|small|base|large|3b|11b)|t5-v1_1-[a-z0-9]+")
+_VERSION = "bpe-bytelevel-v1"  # change when the training recipe changes, so old caches are not reused
+
+
+def is_offline_shape(backbone: str) -> bool:
+    return _OFFLINE_SHAPE.fullmatch(backbone) is not None
+
+
+def get_tokenizer(backbone: str, cfg: DataConfig, suite, vocab_size: int):
+    """The checkpoint's own tokenizer, or for an offline shape the trained BPE one (ids < vocab_size)."""
+    if not is_offline_shape(backbone):
+        return _checkpoint_tokenizer(backbone, vocab_size)
+    size = min(cfg.vocab_size, vocab_size)
+    if size < 3 + 256:
+        raise ConfigError(f"model vocab_size {vocab_size} is too small for the byte-level tokenizer; "
+                          "expected >= 259")
+    cache_dir = Path(cfg.cache_dir or "~/.cache/hpsearch").expanduser() / "tokenizers"
+    return train_tokenizer(list(_corpus(suite)), size, cache_dir)
+
+
+def _checkpoint_tokenizer(backbone: str, vocab_size: int):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(backbone)
+    except Exception as e:
+        raise DataError(f"could not load the tokenizer of backbone '{backbone}' (a local checkpoint or hub "
+                        f"name; offline shapes are t5-tiny, t5-small, ...): {one_line(e)}") from e
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(f"the tokenizer of '{backbone}' has {len(tokenizer)} tokens, more than the model's "
+                          f"vocab_size {vocab_size}")
+    return tokenizer
+
+
+def _corpus(suite) -> Iterator[str]:
+    """Training texts: every source and target of the train splits, in task order."""
+    for task in suite.tasks:
+        for example in suite.split(task, "train"):
+            yield example.source
+            yield example.target
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path):
+    """Train (or load from `cache_dir`) a byte-level BPE tokenizer; written atomically, safe to race."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    digest = hashlib.sha256(f"{_VERSION}\n{vocab_size}\n".encode())
+    for text in texts:
+        digest.update(text.encode("utf-8") + b"\0")
+    path = cache_dir / f"{_VERSION}-{vocab_size}-{digest.hexdigest()[:20]}.json"
+    if path.is_file():
+        tokenizer = Tokenizer.from_file(str(path))
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                      special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator(texts, trainer)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        tokenizer.save(str(temporary))
+        os.replace(temporary, path)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def encode_batch(examples: Sequence[Example], task_ids: Sequence[int], tokenizer, cfg: DataConfig) -> dict:
+    """Tensors for T5's forward: input_ids, attention_mask, labels (-100 at padding, eos last),
+    decoder_attention_mask and task_ids; padded to the longest sequence of the batch."""
+    import torch
+
+    if len(task_ids) != len(examples):
+        raise ValueError(f"{len(task_ids)} task ids for {len(examples)} examples")
+    sources = tokenizer([e.source for e in examples], max_length=cfg.max_source_length, truncation=True,
+                        padding="longest", return_tensors="pt")
+    targets = tokenizer([e.target for e in examples], max_length=cfg.max_target_length, truncation=True,
+                        padding="longest", return_tensors="pt")
+    return {
+        "input_ids": sources["input_ids"],
+        "attention_mask": sources["attention_mask"],
+        "labels": targets["input_ids"].masked_fill(targets["attention_mask"] == 0, -100),
+        "decoder_attention_mask": targets["attention_mask"],
+        "task_ids": torch.as_tensor(list(task_ids), dtype=torch.long),
+    }
+
+
+def decode(tokenizer, ids) -> list[str]:
+    """Generated ids -> target strings for `score_task` (special tokens dropped, whitespace stripped)."""
+    return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]

@@ -1,0 +1,147 @@
+"""Offline tokenizer (T5 ids, deterministic, cached, atomic) and encode_batch."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpsearch.data import (
+    DataConfig,
+    Example,
+    decode,
+    encode_batch,
+    get_tokenizer,
+    is_offline_shape,
+    load_suite,
+)
+from hpsearch.data.tokenizer import train_tokenizer
+from hpsearch.errors import ConfigError, DataError
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return load_suite(DataConfig())
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return DataConfig(cache_dir=str(tmp_path / "cache"))
+
+
+def test_offline_shapes():
+    for name in ["t5-tiny", "t5-small", "t5-base", "t5-large", "t5-3b", "t5-11b", "t5-v1_1-base",
+                 "t5-v1_1-xxl"]:
+        assert is_offline_shape(name)
+    for name in ["google-t5/t5-base", "google/t5-v1_1-base", "/ckpt/t5-base", "t5-base-finetuned", "byt5"]:
+        assert not is_offline_shape(name)
+
+
+def test_t5_id_conventions_and_vocab_bound(suite, cfg):
+    tokenizer = get_tokenizer("t5-tiny", cfg, suite, vocab_size=512)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<pad>", "</s>", "<unk>"]
+    assert len(tokenizer) <= 512
+    ids = tokenizer("first words: red blue").input_ids
+    assert ids[-1] == 1 and max(ids) < 512
+    # bytes are the base alphabet: any text encodes without <unk> and decodes exactly
+    text = "Ünïcode — 日本語 \t tabs  and 🙂"
+    ids = tokenizer(text).input_ids
+    assert 2 not in ids and tokenizer.decode(ids, skip_special_tokens=True) == text
+    # the synthetic suite's sources stay short
+    assert max(len(tokenizer(e.source).input_ids) for t in suite.tasks for e in suite.split(t, "train")) <= 16
+
+
+def test_vocab_is_capped_by_the_model_and_by_the_config(tmp_path):
+    glue_like = [f"sentence number {i} about topic {i % 97} and word{i % 1013}" for i in range(3000)]
+    small = train_tokenizer(glue_like, 300, tmp_path)
+    assert len(small) == 300
+    assert max(max(small(t).input_ids) for t in glue_like[:200]) < 300
+    cfg = DataConfig(vocab_size=300, cache_dir=str(tmp_path))
+    assert len(get_tokenizer("t5-base", cfg, load_suite(cfg), vocab_size=32128)) <= 300
+    with pytest.raises(ConfigError, match="vocab_size"):
+        get_tokenizer("t5-tiny", cfg, load_suite(cfg), vocab_size=100)
+
+
+def test_same_texts_same_ids_and_the_cache_is_reused(suite, cfg, tmp_path, monkeypatch):
+    first = get_tokenizer("t5-tiny", cfg, suite, 512)
+    files = list((Path(cfg.cache_dir) / "tokenizers").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".json"  # no temporary file left behind
+    other_cache = DataConfig(cache_dir=str(tmp_path / "elsewhere"))
+    second = get_tokenizer("t5-tiny", other_cache, suite, 512)
+    assert first.get_vocab() == second.get_vocab()
+    sources = [e.source for e in suite.split("first", "train")[:50]]
+    assert first(sources).input_ids == second(sources).input_ids
+    assert files[0].read_bytes() == next((Path(other_cache.cache_dir) / "tokenizers").iterdir()).read_bytes()
+    import tokenizers
+
+    monkeypatch.setattr(tokenizers.trainers, "BpeTrainer", None)  # a retrain would fail now
+    cached = get_tokenizer("t5-tiny", cfg, suite, 512)
+    assert cached.get_vocab() == first.get_vocab()
+
+
+def test_training_is_deterministic_across_processes(tmp_path):
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from hpsearch.data.tokenizer import train_tokenizer
+        texts = ["the quick brown fox %d jumps over %d lazy dogs" % (i, i * 7 % 13) for i in range(500)]
+        train_tokenizer(texts, 400, Path({str(tmp_path)!r}) / __import__("sys").argv[1])
+    """)
+    for run, seed in (("a", "1"), ("b", "2")):
+        subprocess.run([sys.executable, "-c", script, run], check=True,
+                       env={"PYTHONHASHSEED": seed, "PATH": ""})
+    [a], [b] = (list((tmp_path / run).iterdir()) for run in "ab")
+    assert a.name == b.name and a.read_bytes() == b.read_bytes()
+
+
+def test_encode_batch(suite, cfg):
+    tokenizer = get_tokenizer("t5-tiny", cfg, suite, 512)
+    examples = [Example("first words: red", "red", 0), Example("count words: red red blue green", "12", 12.0),
+                Example("lacks words: blue blue blue blue blue blue blue blue", "no", 0)]
+    batch = encode_batch(examples, [0, 2, 4], tokenizer, cfg)
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "decoder_attention_mask", "task_ids"}
+    assert batch["task_ids"].dtype == torch.long and batch["task_ids"].tolist() == [0, 2, 4]
+    assert batch["input_ids"].shape == batch["attention_mask"].shape and batch["input_ids"].shape[0] == 3
+    for row, mask in zip(batch["input_ids"], batch["attention_mask"]):
+        length = int(mask.sum())
+        assert row[length - 1] == 1 and (row[length:] == 0).all()
+    labels, decoder_mask = batch["labels"], batch["decoder_attention_mask"]
+    for row, mask in zip(labels, decoder_mask):
+        length = int(mask.sum())
+        assert row[length - 1] == 1 and (row[length:] == -100).all() and (row[:length] >= 0).all()
+    assert (labels == -100).any()  # the targets differ in length, so there is padding
+    assert decode(tokenizer, labels.clamp(min=0)) == ["red", "12", "no"]
+
+
+def test_truncation_keeps_eos(suite, cfg):
+    tokenizer = get_tokenizer("t5-tiny", cfg, suite, 512)
+    short = DataConfig(max_source_length=8, max_target_length=3)
+    long_example = Example("first words: " + "red " * 40, "black white red green", 0)
+    batch = encode_batch([long_example], [0], tokenizer, short)
+    assert batch["input_ids"].shape == (1, 8) and batch["input_ids"][0, -1] == 1
+    assert batch["labels"].shape == (1, 3) and batch["labels"][0, -1] == 1
+
+
+def test_a_checkpoint_brings_its_own_tokenizer(suite, cfg, tmp_path):
+    trained = get_tokenizer("t5-tiny", cfg, suite, 512)
+    checkpoint = tmp_path / "checkpoint"
+    trained.save_pretrained(checkpoint)
+    loaded = get_tokenizer(str(checkpoint), cfg, suite, vocab_size=512)
+    assert loaded.get_vocab() == trained.get_vocab()
+    assert loaded("first words: red").input_ids == trained("first words: red").input_ids
+    with pytest.raises(ConfigError, match="more than the model's vocab_size 100"):
+        get_tokenizer(str(checkpoint), cfg, suite, vocab_size=100)
+
+
+def test_an_unloadable_checkpoint_is_one_line(suite, cfg, monkeypatch):
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your internet connection.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(DataError) as e:
+        get_tokenizer("google-t5/t5-base", cfg, suite, 32128)
+    message = str(e.value)
+    assert "google-t5/t5-base" in message and "couldn't connect" in message and "\n" not in message
