@@ -63,6 +63,8 @@ class TrainConfig:
                               "CPU runs use fp32")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage: {self.zero_stage!r} is not one of 0, 1, 2, 3")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ConfigError("train.offload_optimizer: optimizer offload needs train.zero_stage >= 1")
         if self.offload_params and self.zero_stage != 3:
             raise ConfigError("train.offload_params: parameter offload needs train.zero_stage=3")
         if not 0 < self.lr < 1:

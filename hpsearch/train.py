@@ -48,6 +48,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # torch AdamW: no fused-Adam op build, works on CPU and GPU
+        "zero_force_ds_cpu_optimizer": False,    # ...also with ZeRO-Offload (optimizer step on CPU in torch)
     }
     return config
 
@@ -56,10 +57,10 @@ def lr_lambda(cfg: RunConfig):
     """Linear warm-up to train.lr, then linear decay to 0 at train.max_steps."""
     warm, total = cfg.train.warmup_steps, cfg.train.max_steps
 
-    def factor(step: int) -> float:
+    def factor(step: int) -> float:  # step = index of the optimizer update, 0-based
         if step < warm:
             return (step + 1) / warm
-        return max(0.0, (total - step) / max(1, total - warm))
+        return max(0.0, (total - step) / (total - warm + 1))
     return factor
 
 
@@ -113,11 +114,40 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def _all_ranks_any(flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0])
+def _all_ranks_any(flag: bool, device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)  # on the backend's device (NCCL: CUDA)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _all_ranks_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def _copy_rank_files(src: Path, dst: Path, rank: int) -> None:
+    """Copy this rank's files of a DeepSpeed checkpoint folder (rank 0 also the shared ones)."""
+    for f in sorted(src.rglob("*")):
+        if f.is_file() and (f"zero_pp_rank_{rank}_" in f.name or (rank == 0 and "zero_pp_rank_" not in f.name)):
+            target = dst / f.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def train_loop(loop_config: dict, session=None) -> dict:
@@ -133,7 +163,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
     session = session or RaySession()
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
-        _init_single_process_group()
+        _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
     deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
 
@@ -151,23 +181,28 @@ def train_loop(loop_config: dict, session=None) -> dict:
     sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
                                cfg.data.batching, cfg.data.seed, rank, world)
     step, best = 0, {"score": -math.inf, "step": 0}
+    out_dir = Path(cfg.train.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     resume_dir = session.get_checkpoint_dir()
     if resume_dir:
-        _, client = engine.load_checkpoint(resume_dir, tag="state")
-        sampler.load_state_dict(client["sampler"])
+        try:
+            _, client = engine.load_checkpoint(resume_dir, tag="state")
+            sampler.load_state_dict(client["sampler"])
+        except Exception as e:
+            raise UserError(f"resume checkpoint {resume_dir} does not match this run's config "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
         step, best = client["step"], client["best"]
-        torch.set_rng_state(client["rng"])
+        _set_rng_state(client["rng"])
+        shutil.rmtree(out_dir / "best", ignore_errors=True)
+        _copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)  # the best weights so far
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
         if isinstance(session, RaySession):
             shutil.rmtree(resume_dir, ignore_errors=True)  # a downloaded copy of the Ray checkpoint
-
-    out_dir = Path(cfg.train.output_dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if not resume_dir:
-            (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    elif rank == 0:
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     evaluator = Evaluator(engine, suite, tokenizer, cfg, rank, world, device)
     t_start, tokens, loss_sum, loss_n, t_last = time.perf_counter(), 0, 0.0, 0, time.perf_counter()
+    lr_used = cfg.train.lr
     steps_at_start = step
     final: dict = {}
     while step < cfg.train.max_steps:
@@ -181,13 +216,14 @@ def train_loop(loop_config: dict, session=None) -> dict:
             loss = engine(**batch).loss
             if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                 loss = loss * float("nan")
-            if _all_ranks_any(not torch.isfinite(loss).item()):
+            if _all_ranks_any(not torch.isfinite(loss).item(), device):
                 raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at step {step + 1}: stopping the run "
                                     f"(lower train.lr or raise train.warmup_steps)")
             engine.backward(loss)
+            lr_used = engine.get_lr()[0]  # the learning rate this update uses
             engine.step()
             step_loss += loss.item() / cfg.train.grad_accum
-            tokens += int(batch["attention_mask"].sum() + (batch["labels"] != -100).sum()) * world
+            tokens += int(batch["attention_mask"].sum() + (batch["labels"] != -100).sum())
         step += 1
         if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
             time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
@@ -200,17 +236,20 @@ def train_loop(loop_config: dict, session=None) -> dict:
                                f"ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
         if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
             now = time.perf_counter()
-            metrics = {"step": step, "loss": loss_sum / loss_n, "lr": scheduler.get_last_lr()[0],
-                       "step_time": (now - t_last) / loss_n, "tokens_per_s": tokens / (now - t_last),
+            loss_total, tokens_total = _all_ranks_sum([loss_sum, tokens], device)  # over all ranks' shards
+            metrics = {"step": step, "loss": loss_total / (loss_n * world), "lr": lr_used,
+                       "step_time": (now - t_last) / loss_n, "tokens_per_s": tokens_total / (now - t_last),
                        "extra_params": extra_params}
             metrics.update(evaluator.evaluate("validation"))
+            evaluator.step = step
             if metrics["score"] > best["score"]:
                 best = {"score": metrics["score"], "step": step}
                 engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
             final = metrics
             with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
                 engine.save_checkpoint(ckpt, tag="state", client_state={
-                    "sampler": sampler.state_dict(), "step": step, "best": best, "rng": torch.get_rng_state()})
+                    "sampler": sampler.state_dict(), "step": step, "best": best, "rng": _rng_state()})
+                _copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel along
                 if step == cfg.train.max_steps:
                     final = {**metrics, **finish(engine, evaluator, cfg, rank, best)}
                 if rank == 0:
@@ -222,12 +261,18 @@ def train_loop(loop_config: dict, session=None) -> dict:
 
 
 def finish(engine, evaluator, cfg, rank, best) -> dict:
-    """Exports from the last step, then the best validation checkpoint's test score."""
+    """Load the best validation checkpoint, export it, and score it on the test split."""
     import deepspeed
 
     from hpsearch.model import save_export, save_task_params
 
     out_dir = Path(cfg.train.output_dir)
+    has_best = _all_ranks_sum([float((out_dir / "best" / "best").is_dir())], evaluator.device)[0] == evaluator.world
+    if best["step"] and has_best:
+        engine.load_checkpoint(str(out_dir / "best"), tag="best", load_optimizer_states=False,
+                               load_lr_scheduler_states=False)
+    else:  # no validation score ever (no validation rows): the last weights are the result
+        best = {"score": best["score"], "step": evaluator.step}
     model = engine.module
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # every rank joins the gather
@@ -236,8 +281,6 @@ def finish(engine, evaluator, cfg, rank, best) -> dict:
             save_export(model, out_dir / "model", state)
             save_task_params(model, out_dir / "task_params", state)
             (out_dir / "config.yaml").write_text(dump_yaml(cfg))
-    engine.load_checkpoint(str(out_dir / "best"), tag="best", load_optimizer_states=False,
-                           load_lr_scheduler_states=False)
     test = evaluator.evaluate("test", prefix="test")
     return {"test_score": test.pop("test_score"), **test, "best_step": best["step"], "done": 1.0,
             "output_dir": str(out_dir.resolve())}
@@ -250,6 +293,7 @@ class Evaluator:
     def __init__(self, engine, suite, tokenizer, cfg, rank, world, device):
         self.engine, self.suite, self.tok, self.cfg = engine, suite, tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
+        self.step = 0  # the training step of the latest evaluation
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:
@@ -294,14 +338,14 @@ def _rank0_print(rank: int, text: str) -> None:
         print(f"[hpsearch.train] {text}", flush=True)
 
 
-def _init_single_process_group() -> None:
+def _init_single_process_group(backend: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group(backend, rank=0, world_size=1)
 
 
 # ---- Ray Train ----------------------------------------------------------------------------------------------------
@@ -386,12 +430,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--local", action="store_true", help="run the loop in this process, without Ray")
     parser.add_argument("--resume-from", help="a checkpoint directory to resume from")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. model.variant=global")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     from hpsearch.data import load_suite
     load_suite(cfg.data)  # data mistakes fail here, before any worker starts
-    if args.resume_from and not Path(args.resume_from).is_dir():
-        raise UserError(f"--resume-from: {args.resume_from} is not a directory")
+    if args.resume_from and not (Path(args.resume_from) / "state").is_dir():
+        raise UserError(f"--resume-from: {args.resume_from} is not a checkpoint (expected a directory holding "
+                        "state/, e.g. <train.output_dir>/checkpoints/step_N)")
+    if args.local and cfg.train.use_gpu and not torch.cuda.is_available():
+        raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
     if args.local:
         if cfg.train.num_workers != 1:
             print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)

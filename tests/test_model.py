@@ -242,12 +242,20 @@ def overfit(model, batch, steps=30):
     model.eval()
 
 
-def test_beam_search_runs_with_prompts(batch):
-    model = hp()
+def test_beam_search_with_mixed_tasks_equals_per_task(batch):
+    model = hp(config=tiny_config(d_model=64, d_kv=16))
+    overfit(model, batch)
+    args = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, eos_token_id=None, min_new_tokens=5)
     with torch.no_grad():
-        out = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
-                             max_new_tokens=4, num_beams=3, num_return_sequences=2)
-    assert out.shape[0] == 8
+        mixed = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"], **args)
+        assert mixed.shape[0] == 8
+        for row, task in enumerate(batch["task_ids"].tolist()):
+            single = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=torch.full((4,), task),
+                                    **args)
+            assert torch.equal(single[2 * row: 2 * row + 2], mixed[2 * row: 2 * row + 2])
+        uncached = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                  use_cache=False, **args)
+    assert torch.equal(uncached, mixed)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -277,8 +285,16 @@ def test_gradients_reach_every_generator_parameter(variant, bias, batch):
     assert generator
     for name, p in generator.items():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
-    # Sep: each task's own hypernetworks get gradient only from its rows
     assert model.t5.shared.weight.grad is not None
+
+
+def test_sep_hypernetworks_get_gradient_only_from_their_tasks_rows(batch):
+    model = hp(variant="sep").train()
+    model(**{**batch, "task_ids": torch.tensor([0, 2, 2, 0])}).loss.backward()
+    grad = model.local_hypernets["encoder_0"].down_k.weight.grad        # [tasks, d, b]
+    assert grad[0].abs().sum() > 0 and grad[2].abs().sum() > 0
+    assert grad[1].abs().sum() == 0                                     # task 1 is absent from the batch
+    assert model.global_prompts["encoder"].weight.grad[1].abs().sum() == 0
 
 
 def test_train_task_params_only_freezes_backbone(batch):
@@ -289,29 +305,39 @@ def test_train_task_params_only_freezes_backbone(batch):
 
 
 # ---- parameter counts --------------------------------------------------------------------------------------------
-def formula(variant, d, b, l, T, M, t1, t, e):
+def formula(variant, d, b, l, T, M, t1, t, e, d_inner=None):
+    """The paper's counts; with d_inner = heads * d_kv != d_model (t5-3b, t5-11b) the up-projections are
+    b x d_inner, so 4*b*d becomes 2*b*(d + d_inner). Equal to the paper's formula when d_inner == d."""
+    hyper = 2 * b * (d + (d_inner or d))
     prompts = d * l * T
     if variant == "share":
-        return prompts + 4 * b * d * M
+        return prompts + hyper * M
     if variant == "sep":
-        return prompts + 4 * b * d * M * T
-    return prompts + 4 * b * d * t + T * t1 + M * t1 + (2 * t1 + t) * e
+        return prompts + hyper * M * T
+    return prompts + hyper * t + T * t1 + M * t1 + (2 * t1 + t) * e
 
 
 @pytest.mark.parametrize("variant,placement", list(itertools.product(VARIANTS, PLACEMENTS)))
 @pytest.mark.parametrize("shape", [dict(d_model=32, num_heads=4, d_kv=8, num_layers=2, num_decoder_layers=2),
-                                   dict(d_model=48, num_heads=6, d_kv=8, num_layers=3, num_decoder_layers=1)])
+                                   dict(d_model=48, num_heads=6, d_kv=8, num_layers=3, num_decoder_layers=1),
+                                   dict(d_model=24, num_heads=4, d_kv=12, num_layers=2, num_decoder_layers=2)])
 def test_extra_parameters_match_paper_formula(variant, placement, shape):
     tasks = ["t0", "t1", "t2", "t3", "t4"]
     le, ld, b, t1, t, e = 7, 3, 5, 4, 6, 9
     model = build_model(tiny_config(**shape), "hyperprompt", tasks, variant=variant, placement=placement,
                         prompt_length_encoder=le, prompt_length_decoder=ld, bottleneck=b, task_embedding_dim=t1,
                         layer_task_dim=t, projection_hidden=e)
+    d, T = shape["d_model"], len(tasks)
     enc, dec = placement in ("encoder", "both"), placement in ("decoder", "both")
     l = le * enc + ld * dec
     M = shape["num_layers"] * enc + shape["num_decoder_layers"] * dec
     counts = model.extra_parameters()
-    assert counts["total"] == formula(variant, shape["d_model"], b, l, len(tasks), M, t1, t, e)
+    d_inner = shape["num_heads"] * shape["d_kv"]
+    assert counts["total"] == formula(variant, shape["d_model"], b, l, len(tasks), M, t1, t, e, d_inner)
+    if d_inner == shape["d_model"]:  # the paper's own formula, written out
+        paper = {"share": d * l * T + 4 * b * d * M, "sep": d * l * T + 4 * b * d * M * T,
+                 "global": d * l * T + 4 * b * d * t + T * t1 + M * t1 + (2 * t1 + t) * e}[variant]
+        assert counts["total"] == paper
     assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
     backbone = sum(p.numel() for p in model.t5.parameters())
     assert sum(p.numel() for p in model.parameters()) == backbone + counts["total"]
@@ -348,9 +374,20 @@ def test_bad_hparams_are_config_errors(bad, match):
         build_model(tiny_config(), "hyperprompt", TASKS, **bad)
 
 
-def test_task_ids_out_of_range_is_an_error(batch):
+@pytest.mark.parametrize("task_ids", [[0, 1, 2, 3], [2], [0, 2], [[0, 1, 2, 0]]])
+def test_bad_task_ids_are_an_error(batch, task_ids):
+    model = hp()
     with pytest.raises(ValueError, match="task_ids"):
-        hp()(**{**batch, "task_ids": torch.tensor([0, 1, 2, 3])})
+        model(**{**batch, "task_ids": torch.tensor(task_ids)})
+    with pytest.raises(ValueError, match="task_ids"):
+        model.generate(batch["input_ids"], batch["attention_mask"], task_ids=torch.tensor(task_ids))
+
+
+def test_task_param_export_is_not_a_loadable_model(tmp_path):
+    from hpsearch.model import save_task_params
+    save_task_params(hp(), tmp_path)
+    with pytest.raises(ConfigError, match="task-parameter export"):
+        build_model(str(tmp_path))
 
 
 def test_full_export_round_trip(tmp_path, batch):

@@ -73,10 +73,36 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert resumed["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-6)
     assert resumed["score"] == pytest.approx(full["score"], abs=1e-6)
     assert resumed["tasks"] == pytest.approx(full["tasks"], abs=1e-6)
+    assert resumed["test_score"] == pytest.approx(full["test_score"], abs=1e-6)
+    assert resumed["best_step"] == full["best_step"]
     # the exported model reloads with build_model and is a full model
     from hpsearch.model import build_model
     model = build_model(str(tmp_path / "full" / "model"))
     assert model.cfg.variant == "global" and model.extra_parameters()["total"] == full["extra_params"]
+
+
+@pytest.mark.slow
+def test_resume_restores_an_older_best_checkpoint(tmp_path):
+    """lr=0 after warm-up: the score never improves, so the best stays at step 20 across the resume."""
+    args = ["--local", *FAST, "train.warmup_steps=0", "train.lr=1e-9"]
+    full = final_json(run_train(*args, f"train.output_dir={tmp_path}/full"))
+    assert full["best_step"] == 20
+    resumed = final_json(run_train(*args, f"train.output_dir={tmp_path}/resumed",
+                                   "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20")))
+    assert resumed["best_step"] == 20 and resumed["test_score"] == pytest.approx(full["test_score"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_cpu_offload_of_optimizer_and_parameters_trains(tmp_path):
+    out = final_json(run_train("--local", "train.max_steps=6", "train.eval_every=6", "train.offload_optimizer=true",
+                               "train.offload_params=true", "data.synthetic_eval_rows=20",
+                               f"train.output_dir={tmp_path}"))
+    assert out["step"] == 6 and out["loss"] == out["loss"]  # finite
+
+
+def test_resume_from_a_non_checkpoint_is_one_line(tmp_path):
+    proc = run_train("--local", "--resume-from", str(tmp_path), "train.max_steps=3", timeout=120)
+    assert proc.returncode == 2 and "is not a checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

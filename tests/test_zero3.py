@@ -1,6 +1,7 @@
 """HyperPrompt under DeepSpeed ZeRO-3 on CPU: 2 ranks, partitioned parameters, forward/backward/step per variant."""
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,11 @@ pytestmark = pytest.mark.slow
 def test_zero3_step_every_variant(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     worker = Path(__file__).parent / "workers" / "zero3_step.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29611", str(worker), str(tmp_path)],
+                          "--master_addr", "127.0.0.1", "--master_port", str(port), str(worker), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -28,5 +32,6 @@ def test_zero3_step_every_variant(tmp_path):
             assert r["losses"][-1] < r["losses"][0]
             assert all(r["changed"].values()), r["changed"]  # the optimizer updated every generator parameter
             assert r["extra"] == r["plain_extra"] and r["extra"]["total"] > 0
+            assert r["generated"] == r["expected"]  # synced generation under ZeRO-3 == the plain model's
         # the ranks agree on the (gathered) updated parameters' fate and the counts
         assert reports[0][variant]["extra"] == reports[1][variant]["extra"]

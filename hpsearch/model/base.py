@@ -29,26 +29,34 @@ class MultiTaskT5(nn.Module):
         return self.t5.config
 
     # ---- prompts -------------------------------------------------------------------------------------------
-    def generate_prompts(self) -> Prompts:
+    def generate_prompts(self, device=None) -> Prompts:
         """{(side, layer): (keys, values)} for every task, each [num_tasks, heads, l, d_kv]. MTL: none."""
         return {}
 
-    def hyper_prompts(self, task_ids: torch.Tensor | None) -> Prompts:
+    def hyper_prompts(self, task_ids: torch.Tensor | None, batch_size: int | None = None) -> Prompts:
         """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv], exactly as they enter attention."""
-        table = self._frozen if self._frozen is not None else self.generate_prompts()
+        if task_ids is not None:
+            task_ids = torch.as_tensor(task_ids).long()
+            if task_ids.dim() != 1 or (batch_size is not None and task_ids.numel() != batch_size):
+                raise ValueError(f"task_ids must be a LongTensor [batch] with one id per row ({batch_size}); "
+                                 f"got shape {tuple(task_ids.shape)}")
+        if self._frozen is not None:
+            table = self._frozen
+        else:
+            table = self.generate_prompts(task_ids.device if task_ids is not None else None)
         if not table:
             return {}
         if task_ids is None:
             raise ValueError("task_ids is required: a LongTensor [batch] of indices into model.tasks")
-        task_ids = torch.as_tensor(task_ids, device=next(iter(table.values()))[0].device).long()
+        task_ids = task_ids.to(next(iter(table.values()))[0].device)
         if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
             raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
         return {key: (k[task_ids], v[task_ids]) for key, (k, v) in table.items()}
 
-    def freeze_prompts(self) -> None:
+    def freeze_prompts(self, device=None) -> None:
         """Evaluate the generators once per task and layer; serve these static prompts until `train()`."""
         with torch.no_grad():
-            self._frozen = {key: (k.detach(), v.detach()) for key, (k, v) in self.generate_prompts().items()}
+            self._frozen = {key: (k.detach(), v.detach()) for key, (k, v) in self.generate_prompts(device).items()}
 
     def unfreeze_prompts(self) -> None:
         self._frozen = None
@@ -69,13 +77,15 @@ class MultiTaskT5(nn.Module):
     # ---- the Hugging Face interface -----------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, labels=None, decoder_input_ids=None,
                 decoder_attention_mask=None, task_ids=None, **kwargs):
-        with attach(self.t5, self.hyper_prompts(task_ids)):
+        rows = next((x.shape[0] for x in (input_ids, decoder_input_ids, labels, kwargs.get("inputs_embeds"))
+                     if x is not None), None)
+        with attach(self.t5, self.hyper_prompts(task_ids, rows)):
             return self.t5(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                            decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
                            **kwargs)
 
     def generate(self, input_ids, attention_mask=None, task_ids=None, **generation_kwargs):
-        with attach(self.t5, self.hyper_prompts(task_ids)):
+        with attach(self.t5, self.hyper_prompts(task_ids, input_ids.shape[0])):
             return self.t5.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
 
     # ---- analysis -------------------------------------------------------------------------------------------

@@ -20,6 +20,14 @@ def is_export(path) -> bool:
     return isinstance(path, (str, Path)) and (Path(path) / MARKER).is_file()
 
 
+def _check_full_export(directory: Path) -> None:
+    from hpsearch.errors import ConfigError
+    if not (directory / "model.safetensors").is_file():
+        kind = "a task-parameter export" if (directory / "task_params.safetensors").is_file() else "incomplete"
+        raise ConfigError(f"model.backbone: {directory} is {kind}, not a full model export (no model.safetensors); "
+                          "use the run's model/ directory")
+
+
 def _meta(model) -> dict:
     return {"model": dataclasses.asdict(model.cfg), "tasks": model.tasks, "t5_config": model.t5.config.to_dict()}
 
@@ -54,6 +62,7 @@ def load_export(directory, build):
     from transformers import T5Config
 
     directory = Path(directory)
+    _check_full_export(directory)
     meta = json.loads((directory / MARKER).read_text())
     hparams = dict(meta["model"])
     hparams.pop("backbone")

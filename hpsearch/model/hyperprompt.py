@@ -120,10 +120,10 @@ class HyperPromptT5(MultiTaskT5):
                 f"{side}_{i}": LocalHypernets(copies, d, cfg.bottleneck, d_inner, cfg.hypernet_bias)
                 for side, i in self.layer_keys})
 
-    def generate_prompts(self) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    def generate_prompts(self, device=None) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
         """Run the generators for every task: {(side, layer): (keys, values)}, each [T, heads, l, d_kv]."""
         n_tasks = len(self.tasks)
-        device = next(self.t5.parameters()).device
+        device = device if device is not None else next(self.t5.parameters()).device
         ids = torch.arange(n_tasks, device=device)
         side_prompts = {side: emb(ids).view(n_tasks, self.cfg.prompt_length(side), self.d_model)
                         for side, emb in self.global_prompts.items()}

@@ -42,11 +42,25 @@ for variant in ("share", "sep", "global"):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    # generation across ranks: different inputs (and output lengths) per rank, kept in step by synced_gpus;
+    # each rank's result equals the unpartitioned model's (same updated weights, gathered below)
+    model.eval()
+    n_new = 3 + 4 * rank  # rank 1 decodes longer than rank 0: without synced_gpus the ranks would deadlock
+    with torch.no_grad():
+        generated = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                   max_new_tokens=n_new, min_new_tokens=n_new, synced_gpus=True).tolist()
+    model.train()
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         changed = {n: not torch.equal(p.detach(), dict(plain.named_parameters())[n].detach())
                    for n, p in model.named_parameters() if not n.startswith("t5.")}
-    report[variant] = dict(plain_loss=plain_loss, losses=losses, local_shapes=local_shapes, changed=changed,
-                           extra=model.extra_parameters(), plain_extra=plain.extra_parameters())
+        plain.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    plain.eval()
+    with torch.no_grad():
+        expected = plain.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                  max_new_tokens=n_new, min_new_tokens=n_new).tolist()
+    report[variant] = dict(generated=generated, expected=expected, plain_loss=plain_loss, losses=losses,
+                           local_shapes=local_shapes, changed=changed, extra=model.extra_parameters(),
+                           plain_extra=plain.extra_parameters())
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()
