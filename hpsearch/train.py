@@ -282,7 +282,7 @@ def finish(engine, evaluator, cfg, rank, best) -> dict:
             save_task_params(model, out_dir / "task_params", state)
             (out_dir / "config.yaml").write_text(dump_yaml(cfg))
     test = evaluator.evaluate("test", prefix="test")
-    return {"test_score": test.pop("test_score"), **test, "best_step": best["step"], "done": 1.0,
+    return {"test_score": test.pop("test_score"), **test, "best_step": best["step"], "final": 1.0,
             "output_dir": str(out_dir.resolve())}
 
 
@@ -338,12 +338,15 @@ def _rank0_print(rank: int, text: str) -> None:
         print(f"[hpsearch.train] {text}", flush=True)
 
 
-def _init_single_process_group(backend: str) -> None:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _init_single_process_group(backend: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.distributed.init_process_group(backend, rank=0, world_size=1)
 
@@ -358,6 +361,27 @@ def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
     if not cfg.train.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join the cluster named by RAY_ADDRESS (set for a job by `ray job submit`), else start a private local Ray
+    (never another Ray found on this machine) with its dashboard on 127.0.0.1.
+
+    The dashboard stays on and its address is handed to every actor: Ray Train's placement-group cleaner asks the
+    State API whether a run's Train controller is still alive, and without a dashboard, or with several Ray
+    instances on one machine, it cannot tell, so a stopped run's workers are never released and the next run
+    waits for them forever."""
+    import ray
+
+    env = runtime_env_vars(cfg)
+    if os.environ.get("RAY_ADDRESS"):
+        env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"]
+        ray.init(include_dashboard=True, runtime_env={"env_vars": env})
+        return
+    port = free_port()
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+             runtime_env={"env_vars": env})
 
 
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from_checkpoint=None):
@@ -391,8 +415,7 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                 runtime_env={"env_vars": runtime_env_vars(cfg)}, log_to_driver=True)
+        init_ray(cfg)
     storage = str(Path(cfg.train.output_dir, "ray").resolve())
     ckpt = ray.train.Checkpoint.from_directory(resume_from) if resume_from else None
     name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
@@ -402,7 +425,7 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
     except Exception as e:  # Ray wraps a worker's error; surface its reason in one line
         if os.environ.get("HPSEARCH_DEBUG"):
             raise
-        raise TrainingFailed(_reason(e)) from None
+        raise TrainingFailed(failure_reason(e)) from None
     finally:
         if started:
             ray.shutdown()  # flushes worker logs before the final JSON line
@@ -413,14 +436,14 @@ class TrainingFailed(UserError):
     """The run stopped with a reason (non-finite loss, a worker error): one line, exit code 2."""
 
 
-def _reason(e: BaseException) -> str:
-    text = str(e)
-    for line in text.splitlines():
+def failure_reason(e: BaseException) -> str:
+    """One line from Ray's wrapped worker error: the non-finite-loss reason, else the last error line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not set(ln.strip()) <= set("=-")]
+    for line in lines:
         if "non-finite loss" in line:
-            return line.strip().split("NonFiniteLoss: ")[-1]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not set(ln.strip()) <= set("=-")]
+            return line[line.index("non-finite loss"):]
     errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
-    return f"training failed: {(errors or lines or [type(e).__name__])[-1]}"
+    return (errors or lines or [type(e).__name__])[-1]
 
 
 # ---- command line -----------------------------------------------------------------------------------------------

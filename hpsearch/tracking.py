@@ -1,0 +1,240 @@
+"""MLflow tracking of a study: one parent run per study, one child run per trial (tag `mlflow.parentRunId`).
+
+The parent holds the space file, the command line, the git commit and, at the end, the best result and the
+report (trial table, Pareto front, importances, plots). A child holds every run-config field as a flat param
+(the UI's parallel-coordinates view compares them), every numeric metric at every evaluation step (per task
+too), the trial's `config.yaml` and, for a trial that finished, its `task_params/` export.
+
+Runs are found again by tags (study, trial id), so a retried or resumed trial logs into the run it already has:
+no duplicates. All logging happens in the Tune driver (a `LoggerCallback`), the only process that writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ray.tune.logger import LoggerCallback
+
+from hpsearch.errors import ConfigError
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+STUDY_TAG, TRIAL_TAG, ROLE_TAG, OUTCOME_TAG = "hpsearch.study", "hpsearch.trial_id", "hpsearch.role", "hpsearch.outcome"
+PARENT_TAG = "mlflow.parentRunId"
+# Tune's bookkeeping in every result: not metrics of the model
+TUNE_KEYS = {"timestamp", "pid", "training_iteration", "time_this_iter_s", "time_since_restore",
+             "iterations_since_restore", "done", "time_total_s"}
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """An absolute sqlite URI (trials and the UI then find the same file from any directory); http(s) as is."""
+    if uri.startswith("sqlite:///"):
+        path = uri.removeprefix("sqlite:///")
+        if not path.startswith("/"):  # sqlite:///relative.db; sqlite:////absolute.db
+            path = str(Path(path).resolve())
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    if uri.startswith(("http://", "https://", "databricks")):
+        return uri
+    raise ConfigError(f"--tracking-uri: {uri!r}; expected sqlite:///path/to/mlflow.db or http(s)://host:port "
+                      "(MLflow's file store is not supported)")
+
+
+def ui_command(tracking_uri: str) -> str:
+    if tracking_uri.startswith("sqlite:"):
+        return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
+    return f"open {tracking_uri} in a browser"
+
+
+def git_commit(cwd: str | Path = ".") -> str:
+    """The commit of the working tree (`+dirty` when it has changes); in a Ray job, whose copy of the working
+    directory has no `.git`, the `HPSEARCH_GIT_COMMIT` the job was submitted with; else `unknown`."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode == 0:
+            dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("HPSEARCH_GIT_COMMIT") or "unknown"
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+    return MlflowClient(tracking_uri=uri)
+
+
+def _metrics(values: dict[str, Any], step: int):
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    return [Metric(k, float(v), now, step) for k, v in values.items()
+            if k not in TUNE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _log_batches(client, run_id: str, metrics=(), params=()) -> None:
+    metrics, params = list(metrics), list(params)
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i:i + 1000])
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i:i + 100])
+
+
+def _log_text(client, run_id: str, text: str, name: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d, name)
+        path.write_text(text)
+        client.log_artifact(run_id, str(path))
+
+
+# ---- the parent run ---------------------------------------------------------------------------------------------
+class StudyRun:
+    """The parent run of one study, created once and reused on resume."""
+
+    def __init__(self, tracking_uri: str, experiment_id: str, run_id: str):
+        self.tracking_uri, self.experiment_id, self.run_id = tracking_uri, experiment_id, run_id
+        self.client = _client(tracking_uri)
+
+    @classmethod
+    def create(cls, tracking_uri: str, study: str, *, space_path: str, space_text: str, command: str,
+               params: dict[str, Any], description: str = "") -> StudyRun:
+        client = _client(tracking_uri)
+        experiment = client.get_experiment_by_name(study)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(study)
+        commit = git_commit()
+        run = client.create_run(experiment_id, run_name=study, tags={
+            STUDY_TAG: study, ROLE_TAG: "study", "mlflow.source.git.commit": commit, "hpsearch.command": command,
+            "mlflow.source.name": "python -m hpsearch.tune", "mlflow.note.content": description or study})
+        self = cls(tracking_uri, experiment_id, run.info.run_id)
+        from mlflow.entities import Param
+        _log_batches(client, self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+        _log_text(client, self.run_id, space_text, Path(space_path).name)
+        _log_text(client, self.run_id, command + "\n", "command.txt")
+        return self
+
+    @classmethod
+    def reopen(cls, tracking_uri: str, run_id: str, command: str) -> StudyRun:
+        client = _client(tracking_uri)
+        try:
+            run = client.get_run(run_id)
+        except Exception as e:  # mlflow.exceptions.MlflowException: not in this store
+            raise ConfigError(f"--resume: the study's parent run {run_id} is not in {tracking_uri} ({e})") from None
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "hpsearch.resumed", str(int(run.data.tags.get("hpsearch.resumed", "0")) + 1))
+        _log_text(client, run_id, command + "\n", f"command-resume-{int(time.time())}.txt")
+        return cls(tracking_uri, run.info.experiment_id, run_id)
+
+    def log_report(self, metrics: dict[str, float], tags: dict[str, str], files: dict[str, str],
+                   folder: Path) -> None:
+        """The study's result: metrics, tags, text files (name -> text) under `report/`, the files of `folder`
+        (plots) under `report/plots/`."""
+        _log_batches(self.client, self.run_id, metrics=_metrics(metrics, 0))
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
+        with tempfile.TemporaryDirectory() as d:
+            for name, text in files.items():
+                Path(d, name).write_text(text)
+            self.client.log_artifacts(self.run_id, d, "report")
+        if folder.is_dir() and any(folder.iterdir()):
+            self.client.log_artifacts(self.run_id, str(folder), "report/plots")
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+# ---- one child run per trial ------------------------------------------------------------------------------------
+class TrialRuns(LoggerCallback):
+    """Tune callback: a child run per trial, found again by its trial-id tag after a retry or a resume.
+
+    `trial_config(config, trial_id)` gives a trial's full run config; `outcome(last_result, failed)` names how it
+    ended (complete, stopped, failed)."""
+
+    def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, study: str,
+                 trial_config: Callable, outcome: Callable[[dict, bool], str]):
+        self.tracking_uri, self.experiment_id, self.parent_run_id, self.study = (
+            tracking_uri, experiment_id, parent_run_id, study)
+        self.trial_config, self.outcome = trial_config, outcome
+        self._runs: dict[str, str] = {}        # trial id -> run id
+        self._last: dict[str, tuple] = {}      # trial id -> (last logged step, final metrics logged)
+        self._client = None
+
+    def __getstate__(self):  # Tune pickles callbacks with the experiment: keep the client and caches out
+        return {**self.__dict__, "_client": None, "_runs": {}, "_last": {}}
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = _client(self.tracking_uri)
+        return self._client
+
+    def _run_id(self, trial) -> str:
+        tid = trial.trial_id
+        if tid in self._runs:
+            return self._runs[tid]
+        found = self.client.search_runs(
+            [self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.parent_run_id}' and tags.`{TRIAL_TAG}` = '{tid}'")
+        if found:
+            run = found[0]
+            self._last[tid] = (int(run.data.metrics.get("step", -1)), "test_score" in run.data.metrics)
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            run = self._create(trial)
+            self._last[tid] = (-1, False)
+        self._runs[tid] = run.info.run_id
+        return run.info.run_id
+
+    def _create(self, trial):
+        from mlflow.entities import Param
+        cfg = self.trial_config(trial.config, trial.trial_id)
+        run = self.client.create_run(self.experiment_id, run_name=f"trial_{trial.trial_id}", tags={
+            PARENT_TAG: self.parent_run_id, STUDY_TAG: self.study, TRIAL_TAG: trial.trial_id, ROLE_TAG: "trial",
+            "hpsearch.searched": ",".join(sorted(trial.config))})
+        flat = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in cfg.flat().items()}
+        _log_batches(self.client, run.info.run_id, params=[Param(k, str(v)) for k, v in flat.items()])
+        from hpsearch.config import dump_yaml
+        _log_text(self.client, run.info.run_id, dump_yaml(cfg), "config.yaml")
+        _log_text(self.client, run.info.run_id, json.dumps(trial.config, indent=2) + "\n", "searched.json")
+        return run
+
+    def log_trial_start(self, trial) -> None:
+        self._run_id(trial)
+
+    def log_trial_result(self, iteration: int, trial, result: dict) -> None:
+        run_id, tid = self._run_id(trial), trial.trial_id
+        step = int(result.get("step", iteration))
+        last_step, final_logged = self._last[tid]
+        final = "test_score" in result
+        if step < last_step or (step == last_step and (final_logged or not final)):
+            return  # already logged (a resumed trial replays nothing it has logged)
+        values = {k: v for k, v in result.items() if not (isinstance(v, float) and math.isnan(v))}
+        _log_batches(self.client, run_id, metrics=_metrics(values, step))
+        self._last[tid] = (step, final_logged or final)
+
+    def log_trial_end(self, trial, failed: bool = False) -> None:
+        run_id = self._run_id(trial)
+        outcome = self.outcome(trial.last_result or {}, failed)
+        self.client.set_tag(run_id, OUTCOME_TAG, outcome)
+        if failed and trial.error_file and Path(trial.error_file).is_file():
+            error = Path(trial.error_file).read_text().strip().splitlines()
+            self.client.set_tag(run_id, "hpsearch.error", (error[-1] if error else "")[:5000])
+        exports = Path(self.trial_config(trial.config, trial.trial_id).train.output_dir, "task_params")
+        if not failed and exports.is_dir():
+            self.client.log_artifacts(run_id, str(exports), "task_params")
+        self.client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+
+    def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
+        run_id = self._run_id(trial)
+        retries = int(self.client.get_run(run_id).data.tags.get("hpsearch.retries", "0")) + 1
+        self.client.set_tag(run_id, "hpsearch.retries", str(retries))
+
+    def on_experiment_end(self, trials: list, **info) -> None:
+        for trial in trials:  # interrupted: a resume finishes these runs
+            if trial.trial_id in self._runs and trial.status not in ("TERMINATED", "ERROR"):
+                self.client.set_terminated(self._runs[trial.trial_id], status="KILLED")

@@ -1,0 +1,10 @@
+"""The search: `python -m hpsearch.tune`. The one place that knows Ray Tune and Optuna (MLflow: hpsearch.tracking).
+
+- `space`: a search space in memory; Optuna's define-by-run function; a trial's run config
+- `spacefile`: search-space files (`search_spaces/*.yaml`), read and validated completely
+- `study`: a study's folder, the trial (a Tune function trainable launching the training recipe's TorchTrainer),
+  the Tuner (OptunaSearch TPE + ASHA), resume
+- `searcher`: OptunaSearch that records ASHA-stopped trials as pruned
+- `report`: best trial, trial table, Pareto front, importances, plots
+- `cli`: the command line
+"""

@@ -1,0 +1,161 @@
+"""`python -m hpsearch.tune`: the search. Ray Tune + Optuna TPE + ASHA over the training recipe, tracked in MLflow.
+
+    python -m hpsearch.tune [--space FILE] [--name NAME] [--num-samples N] [--tracking-uri URI]
+                            [--storage-path PATH] [--resume] [key=value ...]
+
+With no arguments it runs `search_spaces/default.yaml`. Overrides set run-config fields (`train.lr=1e-3`; a
+searched field is then fixed) or the space's budget/resources/sampler (`budget.trials=3`). Everything is
+validated before Ray starts; a mistake is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from hpsearch.config import read_yaml
+from hpsearch.errors import ConfigError
+from hpsearch.tune.spacefile import load_space
+from hpsearch.tune.study import SPACE_COPY, Study, absolute_paths, load_state
+
+DEFAULT_SPACE = Path(__file__).resolve().parents[2] / "search_spaces" / "default.yaml"
+INTERRUPTED = 130
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpsearch.tune", description=__doc__.splitlines()[0])
+    p.add_argument("--space", help=f"search space YAML (default: {DEFAULT_SPACE.parent.name}/default.yaml)")
+    p.add_argument("--name", help="study name (default: the space's `name`); also the MLflow experiment")
+    p.add_argument("--num-samples", type=int, help="number of trials (the space's budget.trials)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite:///mlflow.db here)")
+    p.add_argument("--storage-path", default="runs/tune", help="where studies keep their state (default: runs/tune)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted study of this name")
+    p.add_argument("overrides", nargs="*", help="key=value: model.*/data.*/train.* or budget.*/resources.*/sampler.*")
+    return p.parse_args(argv)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
+    """Everything a study needs, validated, before Ray or MLflow start: (study, state to save)."""
+    from hpsearch.tracking import DEFAULT_TRACKING_URI, resolve_tracking_uri
+
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ConfigError(f"--num-samples: {args.num_samples}; expected an integer >= 1")
+    overrides = list(args.overrides) + ([f"budget.trials={args.num_samples}"] if args.num_samples else [])
+    space_path = Path(args.space) if args.space else DEFAULT_SPACE
+    uri = resolve_tracking_uri(args.tracking_uri) if args.tracking_uri else None
+    if args.resume:
+        name = args.name or _space_name(space_path)
+        study_dir = _study_dir(args.storage_path, name)
+        state = load_state(study_dir)
+        if args.space and space_path.read_text() != state["space_text"]:
+            raise ConfigError(f"--space {args.space}: differs from the space study '{name}' started with; --resume "
+                              "continues with the study's own copy (drop --space, or start a new --name)")
+        if overrides and overrides != state["overrides"]:
+            raise ConfigError(f"--resume: overrides {overrides} differ from the study's {state['overrides']}; drop "
+                              "them (the study keeps its own) or start a new --name")
+        if uri and uri != state["tracking_uri"]:
+            raise ConfigError(f"--tracking-uri: the study tracks to {state['tracking_uri']}; drop --tracking-uri")
+        space = load_space(study_dir / SPACE_COPY, state["overrides"])
+    else:
+        space = load_space(space_path, overrides)
+        name = args.name or space.name
+        study_dir = _study_dir(args.storage_path, name)
+        if study_dir.exists():
+            raise ConfigError(f"--name {name}: a study of that name already exists in {study_dir}; add --resume to "
+                              "continue it, or choose another --name")
+        state = {"name": name, "space_path": str(space_path), "space_text": space_path.read_text(),
+                 "overrides": overrides, "tracking_uri": uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)}
+    absolute_paths(space.config)
+    _check_data(space.config)
+    return Study(name, study_dir, space), state
+
+
+def _space_name(path: Path) -> str:
+    data, _ = read_yaml(path)
+    return str(data.get("name") or path.stem)
+
+
+def _study_dir(storage_path: str, name: str) -> Path:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"--name {name!r}: expected a plain name (letters, digits, '.', '-' and '_')")
+    return Path(storage_path).expanduser().resolve() / name
+
+
+def _check_data(cfg) -> None:
+    """Local data must load here, before any trial (the hub is left to the trials: it downloads)."""
+    if cfg.data.source == "hub":
+        return
+    from hpsearch.data import load_suite
+    load_suite(cfg.data)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    study, state = prepare(args)
+    command = shlex.join(["python", "-m", "hpsearch.tune", *argv])
+
+    import ray.tune
+
+    from hpsearch.tracking import StudyRun, TrialRuns, ui_command
+    from hpsearch.train import init_ray
+    from hpsearch.tune import report as reporting
+    from hpsearch.tune.study import concurrency, fit, make_tuner, restore_tuner, unfinished
+
+    space = study.space
+    if args.resume:
+        parent = StudyRun.reopen(state["tracking_uri"], state["parent_run_id"], command)
+    else:
+        parent = StudyRun.create(state["tracking_uri"], study.name, space_path=state["space_path"],
+                                 space_text=state["space_text"], command=command, params=_study_params(study),
+                                 description=space.description)
+        state.update(parent_run_id=parent.run_id, command=command)
+        study.save_state(state)
+
+    init_ray(space.config)
+    max_concurrent = concurrency(space, ray.cluster_resources())
+    print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
+          f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
+    if args.resume and ray.tune.Tuner.can_restore(str(study.dir)):
+        tuner = restore_tuner(study)  # with the callbacks, searcher and scheduler it saved
+    else:
+        trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
+                               study.trial_config, study.outcome)
+        tuner = make_tuner(study, [trial_runs], max_concurrent)
+    started = time.time()
+    result_grid = fit(tuner)
+    elapsed = time.time() - started
+
+    left = unfinished(study)
+    if left:
+        parent.finish("KILLED")
+        resume = shlex.join(["python", "-m", "hpsearch.tune", "--name", study.name, "--storage-path",
+                             str(study.storage_path), "--resume"])
+        print(f"[hpsearch.tune] interrupted with {left} trial(s) to go; continue with: {resume}", file=sys.stderr)
+        return INTERRUPTED
+
+    report_dir = study.dir / "report"
+    shutil.rmtree(report_dir, ignore_errors=True)
+    report = reporting.build(study, result_grid, report_dir / "plots")
+    ui = f"MLflow: {parent.tracking_uri}, study run {parent.run_id}; open the UI: {ui_command(parent.tracking_uri)}"
+    text = reporting.render(report, elapsed, ui)
+    print(text, flush=True)
+    metrics, tags = reporting.summary(report)
+    parent.log_report(metrics, tags, reporting.files(report, text), report_dir / "plots")
+    all_failed = report.counts()["failed"] == len(report.rows)
+    parent.finish("FAILED" if all_failed else "FINISHED")
+    return 1 if all_failed else 0
+
+
+def _study_params(study: Study) -> dict:
+    space = study.space
+    return {"space": Path(space.path).name, "study": study.name, "trials": space.budget.trials,
+            "objectives": ",".join(f"{o.metric}:{o.mode}" for o in space.objectives),
+            "searched": ",".join(p.name for p in space.params), "max_steps": space.config.train.max_steps,
+            "eval_every": space.config.train.eval_every, "grace_period": space.grace_period,
+            "reduction_factor": space.budget.reduction_factor, "max_failures": space.budget.max_failures,
+            "workers": space.config.train.num_workers, "seed": space.sampler.seed,
+            **{f"pinned.{k}": v for k, v in space.pinned.items()}}

@@ -1,0 +1,194 @@
+"""One study on Ray Tune: its folder, its trials (each launching the training recipe's TorchTrainer) and the Tuner.
+
+Ray runs Train V2, so a trial is a Tune *function* trainable that builds `hpsearch.train.build_trainer(...)` and
+calls `.fit()`; `TuneReportCallback` forwards rank 0's reports to Tune. `ray.tune.*` here, `ray.train.*` in the
+workers. Layout of `<storage>/<name>/`: Tune's experiment files and `trial_<id>/` folders, `train/<id>/` (Ray
+Train's checkpoints of that trial, so a retried or resumed trial continues from its last evaluation),
+`trials/<id>/` (`train.output_dir`: config.yaml, task_params/, model/), `space.yaml` and `hpsearch-study.json`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpsearch.config import RunConfig
+from hpsearch.errors import UserError
+from hpsearch.tune.space import SearchSpace
+
+STATE_FILE, SPACE_COPY = "hpsearch-study.json", "space.yaml"
+
+
+class TrialFailed(RuntimeError):
+    """A trial's training stopped: the reason in one line (Ray's wrapped worker traceback is in the trial's log)."""
+
+
+@dataclass
+class Study:
+    name: str
+    dir: Path                    # <storage>/<name>, absolute
+    space: SearchSpace
+
+    @property
+    def storage_path(self) -> Path:
+        return self.dir.parent
+
+    def trial_config(self, values: dict[str, Any], trial_id: str) -> RunConfig:
+        cfg = self.space.trial_config(values)
+        cfg.train.output_dir = str(self.dir / "trials" / trial_id)
+        return cfg
+
+    def outcome(self, last_result: dict, failed: bool) -> str:
+        """complete (ran the whole budget), stopped (ASHA stopped it early, or interrupted) or failed."""
+        if failed:
+            return "failed"
+        return "complete" if last_result.get("step", 0) >= self.space.config.train.max_steps else "stopped"
+
+    # ---- the state a resume needs -----------------------------------------------------------------------------
+    @property
+    def state_file(self) -> Path:
+        return self.dir / STATE_FILE
+
+    def save_state(self, state: dict) -> None:
+        """The state a resume needs, and the study's own copy of its space file."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(json.dumps(state, indent=2) + "\n")
+        (self.dir / SPACE_COPY).write_text(state["space_text"])
+
+
+def load_state(study_dir: Path) -> dict:
+    path = study_dir / STATE_FILE
+    if not path.is_file():
+        raise UserError(f"--resume: no study '{study_dir.name}' in {study_dir.parent} ({STATE_FILE} missing); "
+                        "start it without --resume")
+    return json.loads(path.read_text())
+
+
+def absolute_paths(cfg: RunConfig) -> None:
+    """Trials run in their own working directory: make the config's local paths absolute (in place)."""
+    if cfg.data.source not in ("synthetic", "hub"):
+        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
+    if cfg.data.cache_dir:
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
+    if Path(cfg.model.backbone).expanduser().is_dir():
+        cfg.model.backbone = str(Path(cfg.model.backbone).expanduser().resolve())
+
+
+# ---- one trial (runs in a Tune actor) -----------------------------------------------------------------------------
+def run_trial(config: dict[str, Any], study: Study) -> None:
+    """A Tune function trainable: train this trial's run config with the training recipe's TorchTrainer."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from hpsearch.train import build_trainer, failure_reason
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    cfg = study.trial_config(config, trial_id)
+    marker = Path(cfg.train.output_dir, "FAILED")
+    if marker.is_file():  # a deterministic failure (non-finite loss): a retry would only fail again
+        raise TrialFailed(marker.read_text().strip())
+    trainer = build_trainer(cfg, name=trial_id, storage_path=str(study.dir / "train"),
+                            callbacks=[TuneReportCallback()])  # rank 0's reports go to Tune
+    try:
+        trainer.fit()
+    except Exception as e:  # Ray Train wraps the worker's error with its traceback
+        reason = failure_reason(e)
+        if "non-finite loss" in reason:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(reason + "\n")
+        raise TrialFailed(reason) from None
+
+
+# ---- Ray and the Tuner --------------------------------------------------------------------------------------------
+def trial_resources(space: SearchSpace) -> dict[str, float]:
+    """What one trial holds while it runs: its driver's CPU slice plus its Train workers."""
+    t = space.config.train
+    need = {"CPU": space.resources.trial_cpus + t.num_workers * t.cpus_per_worker}
+    if t.use_gpu:
+        need["GPU"] = t.num_workers * t.gpus_per_worker
+    return need
+
+
+def concurrency(space: SearchSpace, cluster: dict[str, float]) -> int:
+    """Trials at once: `resources.max_concurrent`, else as many as the cluster's CPUs and GPUs fit (at least 1:
+    on an autoscaling cluster the first trial waits for its nodes)."""
+    if space.resources.max_concurrent:
+        return space.resources.max_concurrent
+    fits = min(int(cluster.get(k, 0.0) / v + 1e-9) for k, v in trial_resources(space).items())
+    return max(1, fits)
+
+
+def trial_dirname(trial) -> str:
+    return f"trial_{trial.trial_id}"
+
+
+def make_searcher(space: SearchSpace):
+    import optuna
+
+    from hpsearch.tune.searcher import BudgetAwareOptunaSearch
+
+    objectives = space.objectives
+    with warnings.catch_warnings():  # multivariate and group are "experimental" in Optuna (and recommended)
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=space.sampler.seed, n_startup_trials=space.sampler.n_startup_trials,
+                                             multivariate=space.sampler.multivariate,
+                                             group=space.sampler.multivariate)
+    metric = [o.metric for o in objectives] if space.multi_objective else space.primary.metric
+    mode = [o.mode for o in objectives] if space.multi_objective else space.primary.mode
+    return BudgetAwareOptunaSearch(space=space.define_by_run(), metric=metric, mode=mode, sampler=sampler,
+                                   points_to_evaluate=copy.deepcopy(space.points_to_evaluate) or None,
+                                   max_steps=space.config.train.max_steps)
+
+
+def trainable(study: Study):
+    import ray.tune
+    fn = ray.tune.with_parameters(run_trial, study=study)
+    return ray.tune.with_resources(fn, {"cpu": study.space.resources.trial_cpus})
+
+
+def make_tuner(study: Study, callbacks: list, max_concurrent: int):
+    import ray.tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    space = study.space
+    primary = space.primary
+    scheduler = ASHAScheduler(time_attr="step", metric=primary.metric, mode=primary.mode,
+                              max_t=space.config.train.max_steps, grace_period=space.grace_period,
+                              reduction_factor=space.budget.reduction_factor)
+    tune_config = ray.tune.TuneConfig(search_alg=make_searcher(space), scheduler=scheduler,
+                                      num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
+                                      time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname)
+    params = {p.name: p.name.split(".", 1)[1] for p in space.params}
+    metrics = {"step": "step", primary.metric: primary.metric, **{o.metric: o.metric for o in space.objectives}}
+    # no metric/mode: its "current best" line would show truncated scores and fails on a conditional field
+    reporter = ray.tune.CLIReporter(parameter_columns=params, metric_columns=metrics, max_report_frequency=30)
+    run_config = ray.tune.RunConfig(name=study.name, storage_path=str(study.storage_path), callbacks=callbacks,
+                                    failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
+                                    progress_reporter=reporter, verbose=1)
+    return ray.tune.Tuner(trainable(study), tune_config=tune_config, run_config=run_config)
+
+
+def restore_tuner(study: Study):
+    import ray.tune
+    return ray.tune.Tuner.restore(str(study.dir), trainable(study), resume_unfinished=True, resume_errored=False)
+
+
+def fit(tuner):
+    """Run the trials; Ctrl-C (SIGINT) stops them cleanly and keeps the state for `--resume`."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic reporter honours our CLIReporter's columns
+    return tuner.fit()
+
+
+def unfinished(study: Study) -> int:
+    """Trials an interruption left to do (0 when the study ran to its end), from the state Tune saved."""
+    from ray.tune import ExperimentAnalysis
+
+    trials = ExperimentAnalysis(str(study.dir)).trials
+    done = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
+    if study.space.budget.time_budget_s:  # the time budget ends the study: what did not start never will
+        return len(trials) - done
+    return max(study.space.budget.trials, len(trials)) - done

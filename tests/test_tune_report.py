@@ -1,0 +1,83 @@
+"""The end-of-study report from trial results (no cluster): only trials that ran the whole budget reach the best
+trial, the Pareto front and the importances; plots are written as PNG; failures are summarised in one line."""
+from pathlib import Path
+
+from optuna.trial import TrialState
+
+from hpsearch.train import failure_reason
+from hpsearch.tune import report
+from hpsearch.tune.report import TrialRow
+from hpsearch.tune.spacefile import load_space
+from hpsearch.tune.study import Study
+
+SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+
+
+def rows():
+    def row(tid, outcome, step, score, extra, variant, lr):
+        config = {"model.variant": variant, "model.placement": "encoder", "model.prompt_length_encoder": 4,
+                  "model.bottleneck": 16, "train.lr": lr}
+        history = [{"step": s, "score": score * s / step} for s in range(50, step + 1, 50)]
+        return TrialRow(tid, outcome, config, {"step": step, "score": score, "extra_params": extra}, history)
+    return [row("a", "complete", 150, 60.0, 50_000, "share", 1e-3),
+            row("b", "complete", 150, 65.0, 90_000, "sep", 2e-3),
+            row("c", "complete", 150, 55.0, 120_000, "sep", 5e-4),
+            row("d", "complete", 150, 62.0, 40_000, "share", 1.5e-3),
+            # stopped by ASHA at a rung: its score is not comparable; it must not be "best" nor on the front
+            row("e", "stopped", 50, 99.0, 10_000, "share", 3e-3),
+            TrialRow("f", "failed", {"model.variant": "sep", "model.placement": "encoder",
+                                     "model.prompt_length_encoder": 4, "model.bottleneck": 16, "train.lr": 3e-3},
+                     {}, [], "non-finite loss (nan) at step 12")]
+
+
+def build(tmp_path, space_file="default.yaml"):
+    study = Study("s", tmp_path / "s", load_space(SPACES / space_file))
+    r = report.Report(study, rows(), None, [], {}, [], {})
+    ostudy = report.analysis_study(study, r.rows)
+    return study, r, ostudy
+
+
+def test_only_whole_budget_trials_count(tmp_path):
+    study, _, ostudy = build(tmp_path)
+    states = {t.user_attrs["trial_id"]: t.state for t in ostudy.trials}
+    assert states == {"a": TrialState.COMPLETE, "b": TrialState.COMPLETE, "c": TrialState.COMPLETE,
+                      "d": TrialState.COMPLETE, "e": TrialState.PRUNED, "f": TrialState.FAIL}
+    front = {t.user_attrs["trial_id"] for t in ostudy.best_trials}
+    assert front == {"b", "d"}  # e has the best truncated score and the fewest parameters, but was stopped
+
+
+def test_report_best_pareto_importances_and_plots(tmp_path, monkeypatch):
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
+    monkeypatch.setattr(report, "collect", lambda study, grid: rows())
+    built = report.build(study, None, tmp_path / "plots")
+    assert built.best.trial_id == "b"
+    assert [r.trial_id for r in built.pareto] == ["b", "d"]
+    assert set(built.importances) == {"fANOVA / score", "MDI / score", "fANOVA / extra_params",
+                                      "MDI / extra_params"}
+    fanova = built.importances["fANOVA / score"]
+    assert set(fanova) == {"model.variant", "model.placement", "model.prompt_length_encoder", "model.bottleneck",
+                           "train.lr"}
+    assert fanova["model.variant"] + fanova["train.lr"] > 0.9  # the two that vary explain the scores
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+        "optimization_history.png", "parallel_coordinates.png", "importances.png", "pareto_front.png"}
+    text = report.render(built, 65.0, "MLflow: x")
+    assert "Best trial b by score" in text and "Pareto front" in text and "1 failed" in text
+    assert "non-finite loss (nan) at step 12" in text
+    assert report.trials_table(built)["outcome"].tolist() == ["complete"] * 4 + ["stopped", "failed"]
+
+
+def test_single_objective_report_has_intermediate_values(tmp_path, monkeypatch):
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml", []))
+    study.space.objectives = study.space.objectives[:1]
+    monkeypatch.setattr(report, "collect", lambda study, grid: rows())
+    built = report.build(study, None, tmp_path / "plots")
+    assert built.pareto == [] and "intermediate_values" in built.plots
+    pruned = [t for t in report.analysis_study(study, built.rows).trials if t.state == TrialState.PRUNED]
+    assert pruned[0].intermediate_values == {50: 99.0}
+
+
+def test_failure_reason_is_the_non_finite_loss_line():
+    wrapped = RuntimeError("Training failed.\nTraceback (most recent call last):\n  File x\n"
+                           "hpsearch.train.NonFiniteLoss: non-finite loss (nan) at step 7: stopping the run\n")
+    assert failure_reason(wrapped) == "non-finite loss (nan) at step 7: stopping the run"
+    assert failure_reason(RuntimeError("a\nworker died")) == "worker died"

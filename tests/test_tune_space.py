@@ -1,0 +1,202 @@
+"""Search spaces: the shipped files load; every mistake is one line naming file:line (or the override) and what
+is valid, raised before Ray starts; the define-by-run space honours conditions; the pieces of the study logic
+that need no cluster (concurrency, pruned trials, the analysis study)."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import optuna
+import pytest
+
+from hpsearch.errors import ConfigError
+from hpsearch.tune.spacefile import load_space
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACES = ROOT / "search_spaces"
+
+BASE = """\
+name: t
+search:
+  model.variant: {type: categorical, choices: [share, sep, global]}
+  model.layer_task_dim: {type: int, low: 8, high: 64, step: 8, when: {model.variant: global}}
+  train.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}
+budget:
+  max_steps: 40
+  eval_every: 20
+"""
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.mark.parametrize("name", ["default", "paper", "glue-local"])
+def test_shipped_spaces_load(name, monkeypatch):
+    monkeypatch.chdir(ROOT)  # glue-local reads ../shared/data/glue relative to the checkout
+    space = load_space(SPACES / f"{name}.yaml")
+    names = [p.name for p in space.params]
+    assert {"model.variant", "train.lr"} <= set(names)
+    assert space.budget.trials >= 6 and space.primary.metric == "score"
+    if name == "paper":
+        assert space.config.model.backbone == "google-t5/t5-base" and space.config.train.use_gpu
+        assert space.param("model.prompt_length_encoder").low == 1
+        assert space.param("model.prompt_length_encoder").high == 64
+        assert space.multi_objective
+    else:
+        assert space.config.model.backbone == "t5-tiny" and not space.config.train.use_gpu
+
+
+def test_default_space_shape():
+    space = load_space(SPACES / "default.yaml")
+    t = space.config.train
+    assert (t.num_workers, t.cpus_per_worker, space.resources.trial_cpus) == (2, 0.9, 0.1)
+    assert space.param("model.layer_task_dim").when == {"model.variant": ["global"]}
+    assert space.param("model.prompt_length_encoder").when == {"model.placement": ["encoder", "both"]}
+    assert t.max_steps == space.budget.max_steps and t.eval_every == space.budget.eval_every
+
+
+@pytest.mark.parametrize("text,match", [
+    (BASE + "serach: {}\n", r"space.yaml:9: unknown key 'serach'; a space file has name, description"),
+    (BASE.replace("model.variant:", "model.varient:"), r"space.yaml:3: unknown field 'model.varient'"),
+    (BASE.replace("step: 8", "stp: 8"), r"space.yaml:4: search.model.layer_task_dim: unknown key 'stp' for type int"),
+    (BASE.replace("type: loguniform", "type: normal"), r"space.yaml:5: search.train.lr: type 'normal'; expected"),
+    (BASE.replace("low: 8, high: 64", "low: 64, high: 8"), r"space.yaml:4: search.model.layer_task_dim.high: 8 is "
+                                                          r"not above low 64"),
+    (BASE.replace("low: 1.0e-4", "low: 0"), r"space.yaml:5: search.train.lr.low: 0; a log scale needs low > 0"),
+    (BASE.replace("high: 1.0e-2", "high: 2.0"), r"space.yaml:5: search.train.lr.high: 2.0 is not a valid value "
+                                                r"\(train.lr: 2.0 is out of range; expected 0 < lr < 1\)"),
+    (BASE.replace("high: 64", "high: 5000"), r"space.yaml:4: search.model.layer_task_dim.high: 5000 is not a valid"),
+    (BASE.replace("sep, global]", "globl]"), r"space.yaml:3: search.model.variant.choices: 'globl' is not a valid"),
+    (BASE.replace("type: int, low: 8, high: 64, step: 8", "type: uniform, low: 8, high: 64"),
+     r"space.yaml:4: search.model.layer_task_dim: type uniform needs a number field; .* use type int"),
+    (BASE.replace("when: {model.variant: global}", "when: {model.varient: global}"),
+     r"space.yaml:4: search.model.layer_task_dim.when.model.varient: unknown field"),
+    (BASE.replace("when: {model.variant: global}", "when: {model.variant: globl}"),
+     r"space.yaml:4: .*when.model.variant: 'globl' can never hold; model.variant is searched over"),
+    (BASE.replace("when: {model.variant: global}", "when: {train.lr: 0.5}"),
+     r"space.yaml:4: .*when.train.lr: train.lr is searched after model.layer_task_dim; list it before"),
+    ("model:\n  variant: share\n" + BASE.replace("  model.variant: {type: categorical, choices: [share, sep, "
+                                                 "global]}\n", ""),
+     r"space.yaml:5: .*when.model.variant: can never hold; model.variant is fixed to 'share'"),
+    (BASE + "objectives:\n  - {metric: acc, mode: max}\n",
+     r"space.yaml:9: objectives\[0\].metric: 'acc'; expected one of score, loss"),
+    (BASE + "objectives:\n  - {metric: score, mode: up}\n", r"space.yaml:9: objectives\[0\].mode: 'up'; expected max"),
+    (BASE + "  grace_period: 100\n", r"space.yaml:9: budget.grace_period: 100; expected an integer in \[1, "
+                                     r"max_steps=40\]"),
+    (BASE + "  reduction_factor: 1\n", r"space.yaml:9: budget.reduction_factor: 1; expected an integer >= 2"),
+    (BASE + "  trails: 3\n", r"space.yaml:9: unknown key 'budget.trails'; budget has trials, max_steps"),
+    (BASE + "train:\n  max_steps: 30\n", r"space.yaml:10: train.max_steps is also set by budget.max_steps "
+                                         r"\(.*space.yaml:7\); set it in one place"),
+    (BASE + "train:\n  output_dir: x\n", r"space.yaml:10: train.output_dir is not set in a space file"),
+    (BASE.replace("train.lr:", "train.num_workers:").replace("type: loguniform, low: 1.0e-4, high: 1.0e-2",
+                                                             "type: categorical, choices: [1, 2]"),
+     r"space.yaml:5: search.train.num_workers: cannot be searched"),
+    (BASE + "points_to_evaluate:\n  - {model.layer_task_dim: 100}\n",
+     r"space.yaml:9: points_to_evaluate\[0\].model.layer_task_dim: 100 is outside the searched range"),
+    (BASE + "points_to_evaluate:\n  - {model.varient: share}\n",
+     r"space.yaml:9: points_to_evaluate\[0\]: 'model.varient' is not searched; expected some of model.variant"),
+    ("name: t\nsearch: {}\n", r"space.yaml:2: search: nothing to search"),
+    (BASE + "resources:\n  trial_cpus: 0\n", r"space.yaml:10: resources.trial_cpus: 0.0; expected a number > 0"),
+    (BASE.replace("train.lr:", "train.lr: [1"), r"space.yaml:\d: malformed YAML"),
+])
+def test_bad_space_is_one_line_error_with_line(tmp_path, text, match):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_space(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["budget.trials=0"], r"override 'budget.trials=0': budget.trials: 0; expected an integer >= 1"),
+    (["model.variant=middle"], r"override 'model.variant=middle': model.variant: 'middle' is not one of"),
+    (["search.train.lr=3"], r"override 'search.train.lr=3': 'search.train.lr' cannot be overridden"),
+    (["budget.max_steps=10"], r"override 'budget.max_steps=10': budget.grace_period|budget.eval_every: 20; expected"),
+])
+def test_bad_override_names_the_override(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_space(write(tmp_path, BASE), overrides)
+
+
+def test_overrides_pin_searched_fields_and_set_budget(tmp_path):
+    space = load_space(write(tmp_path, BASE), ["train.lr=0.001", "budget.trials=3", "resources.workers=1",
+                                               "data.temperature=2"])
+    assert [p.name for p in space.params] == ["model.variant", "model.layer_task_dim"]
+    assert space.pinned == {"train.lr": 0.001} and space.config.train.lr == 0.001
+    assert space.budget.trials == 3 and space.config.train.num_workers == 1 and space.config.data.temperature == 2
+    # pinning the variant to share leaves out layer_task_dim (searched only for global) and the point's variant
+    default = load_space(SPACES / "default.yaml", ["model.variant=share"])
+    assert "model.variant" not in default.points_to_evaluate[0] and default.config.model.variant == "share"
+    assert "model.layer_task_dim" not in [p.name for p in default.params]
+    assert "model.layer_task_dim" not in str(default.define_by_run().params)
+
+
+def test_define_by_run_draws_conditional_fields_only_when_active(tmp_path):
+    space = load_space(write(tmp_path, BASE))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    space_fn = space.define_by_run()
+    seen = set()
+    for _ in range(30):
+        trial = study.ask()
+        space_fn(trial)
+        params = trial.params
+        seen.add(params["model.variant"])
+        assert ("model.layer_task_dim" in params) == (params["model.variant"] == "global")
+        assert 1e-4 <= params["train.lr"] <= 1e-2
+        cfg = space.trial_config(params)  # every draw is a valid run config
+        assert cfg.model.variant == params["model.variant"]
+        study.tell(trial, 0.0)
+    assert seen == {"share", "sep", "global"}
+
+
+def test_bad_space_exits_2_before_ray_starts(tmp_path):
+    path = write(tmp_path, BASE.replace("high: 64", "high: 5000"))
+    out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--space", str(path), "--storage-path",
+                          str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/m.db"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"error: {path}:4: search.model.layer_task_dim.high: 5000")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "m.db").exists()
+
+
+def test_resume_without_a_study_and_a_second_start_are_one_line_errors(tmp_path):
+    args = [sys.executable, "-m", "hpsearch.tune", "--storage-path", str(tmp_path / "runs"), "--name", "s1"]
+    out = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--resume: no study 's1' in" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "runs" / "s1").mkdir(parents=True)
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "a study of that name already exists" in out.stderr
+
+
+# ---- study logic without a cluster ------------------------------------------------------------------------------
+def test_concurrency_follows_resources(tmp_path):
+    from hpsearch.tune.study import concurrency
+
+    space = load_space(write(tmp_path, BASE))  # 2 workers x 0.9 CPU + 0.1 for the trial's driver
+    assert concurrency(space, {"CPU": 2.0}) == 1
+    assert concurrency(space, {"CPU": 8.0}) == 4
+    assert concurrency(space, {"CPU": 1.0}) == 1  # waits for the autoscaler rather than never starting
+    gpu = load_space(write(tmp_path, BASE + "resources:\n  workers: 2\n  gpus_per_worker: 1\n  cpus_per_worker: 4\n"))
+    assert gpu.config.train.use_gpu
+    assert concurrency(gpu, {"CPU": 64.0, "GPU": 8.0}) == 4
+    capped = load_space(write(tmp_path, BASE + "resources:\n  max_concurrent: 2\n"))
+    assert concurrency(capped, {"CPU": 64.0}) == 2
+
+
+def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
+    from optuna.trial import TrialState
+
+    from hpsearch.tune.study import make_searcher
+
+    space = load_space(write(tmp_path, BASE))
+    searcher = make_searcher(space)
+    for trial_id, steps in (("a", 40), ("b", 20)):
+        searcher.suggest(trial_id)
+        for step in range(20, steps + 1, 20):
+            searcher.on_trial_result(trial_id, {"score": step / 100, "step": step, "training_iteration": step // 20})
+        searcher.on_trial_complete(trial_id, {"score": steps / 100, "step": steps})
+    states = [t.state for t in searcher._ot_study.trials]
+    assert states == [TrialState.COMPLETE, TrialState.PRUNED]

@@ -1,0 +1,147 @@
+"""End to end: `python -m hpsearch.tune` runs short studies (Ray Tune + Optuna + ASHA launching the training
+recipe's TorchTrainer per trial) on this machine; the MLflow store is read back with `MlflowClient`."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["budget.max_steps=20", "budget.eval_every=10", "budget.grace_period=10", "train.log_every=10",
+         "data.synthetic_train_rows=200", "data.synthetic_eval_rows=40"]
+
+
+def tune_cmd(tmp_path, name, *args):
+    return [sys.executable, "-m", "hpsearch.tune", "--name", name, "--storage-path", str(tmp_path / "runs"),
+            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", *args]
+
+
+def study_runs(tmp_path, name):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name(name)
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
+    children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]
+    return client, parents, children
+
+
+def artifacts(client, run_id, path=None):
+    return {a.path for a in client.list_artifacts(run_id, path)}
+
+
+def steps(client, run_id, key="step"):
+    return [m.step for m in client.get_metric_history(run_id, key)]
+
+
+@pytest.mark.slow
+def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path):
+    out = subprocess.run(tune_cmd(tmp_path, "e2e", "--num-samples", "3", *SHORT), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 at a time" in out.stdout
+    for text in ("Best trial", "All trials:", "Pareto front", "Hyperparameter importances",
+                 f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db --host 127.0.0.1"):
+        assert text in out.stdout
+
+    client, parents, children = study_runs(tmp_path, "e2e")
+    assert len(parents) == 1 and len(children) == 3
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["mlflow.source.git.commit"] != ""
+    assert parent.data.tags["hpsearch.command"].startswith("python -m hpsearch.tune --name e2e")
+    assert {"default.yaml", "command.txt", "report"} <= artifacts(client, parent.info.run_id)
+    report = artifacts(client, parent.info.run_id, "report")
+    assert {"report/summary.txt", "report/trials.csv", "report/best_config.yaml", "report/plots"} <= report
+    plots = artifacts(client, parent.info.run_id, "report/plots")
+    assert {"report/plots/optimization_history.png", "report/plots/pareto_front.png"} <= plots
+    assert "best_score" in parent.data.metrics and parent.data.metrics["trials_failed"] == 0
+
+    assert len({c.data.tags["hpsearch.trial_id"] for c in children}) == 3
+    for child in children:
+        run_id = child.info.run_id
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.info.status == "FINISHED"
+        searched = child.data.tags["hpsearch.searched"].split(",")
+        assert {"model.variant", "model.placement", "train.lr"} <= set(searched)
+        assert set(searched) <= set(child.data.params) and child.data.params["model.backbone"] == "t5-tiny"
+        outcome = child.data.tags["hpsearch.outcome"]
+        expected = [10, 20] if outcome == "complete" else [10]
+        assert outcome in ("complete", "stopped")
+        for key in ("score", "task/first/score", "task/count/pearson", "loss", "extra_params"):
+            assert steps(client, run_id, key) == expected, key  # every evaluation, once
+        assert {"config.yaml", "searched.json"} <= artifacts(client, run_id)
+        if outcome == "complete":
+            assert "test_score" in child.data.metrics and "test/first/score" in child.data.metrics
+            assert "task_params" in artifacts(client, run_id)
+            assert artifacts(client, run_id, "task_params")
+    assert any(c.data.tags["hpsearch.outcome"] == "complete" for c in children)
+
+    # one after another: each trial's run starts after the previous one ended
+    spans = sorted((c.info.start_time, c.info.end_time) for c in children)
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+
+
+def wait_for(predicate, timeout, proc):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            return False
+        if predicate():
+            return True
+        time.sleep(2)
+    return False
+
+
+def finished_children(tmp_path, name):
+    try:
+        _, _, children = study_runs(tmp_path, name)
+    except Exception:  # the store or the experiment is not there yet
+        return []
+    return [c for c in children if c.info.status == "FINISHED"]
+
+
+@pytest.mark.slow
+def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
+    args = tune_cmd(tmp_path, "resume", "--num-samples", "3", *SHORT)
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # interrupt (Ctrl-C) once the first trial has finished and the second has started
+        started = wait_for(lambda: len(finished_children(tmp_path, "resume")) >= 1
+                           and len(study_runs(tmp_path, "resume")[2]) >= 2, 600, proc)
+        assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "--resume" in err
+    client, parents, before = study_runs(tmp_path, "resume")
+    assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    done_before = {c.data.tags["hpsearch.trial_id"]: c for c in before if c.info.status == "FINISHED"}
+    assert done_before and len(before) < 3 + 1
+
+    out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "resume", "--storage-path",
+                          str(tmp_path / "runs"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client, parents, children = study_runs(tmp_path, "resume")
+    assert len(parents) == 1 and parents[0].info.run_id == before[0].data.tags["mlflow.parentRunId"]
+    assert parents[0].info.status == "FINISHED" and parents[0].data.tags["hpsearch.resumed"] == "1"
+    assert "report" in artifacts(client, parents[0].info.run_id)
+    assert len(children) == 3 and len({c.data.tags["hpsearch.trial_id"] for c in children}) == 3
+    assert all(c.info.status == "FINISHED" for c in children)
+    for child in children:
+        history = steps(client, child.info.run_id)
+        assert history == sorted(set(history)), history  # no evaluation logged twice
+        old = done_before.get(child.data.tags["hpsearch.trial_id"])
+        if old:  # finished before the interruption: not run again
+            assert child.info.end_time == old.info.end_time
+            assert history == steps(client, old.info.run_id)
+    experiment_dirs = [p for p in (tmp_path / "runs" / "resume").iterdir() if p.name.startswith("trial_")]
+    assert len(experiment_dirs) == 3
+    assert os.path.isfile(tmp_path / "runs" / "resume" / "hpsearch-study.json")
