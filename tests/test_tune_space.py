@@ -9,7 +9,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hpsearch.errors import ConfigError
+from hpsearch.errors import ConfigError, UserError
 from hpsearch.tune.spacefile import load_space
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +169,20 @@ def test_resume_without_a_study_and_a_second_start_are_one_line_errors(tmp_path)
     (tmp_path / "runs" / "s1").mkdir(parents=True)
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "a study of that name already exists" in out.stderr
+
+
+def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_path):
+    from hpsearch.tune.cli import parse_args, prepare
+
+    runs = tmp_path / "runs"
+    first, _ = prepare(parse_args(["--storage-path", str(runs)]))
+    assert first.name == "default"
+    (runs / "default").mkdir(parents=True)
+    (runs / "default-2").mkdir()
+    again, _ = prepare(parse_args(["--storage-path", str(runs)]))
+    assert again.name == "default-3"
+    with pytest.raises(UserError, match="no study 'default-2'"):  # the newest; it has no saved state here
+        prepare(parse_args(["--storage-path", str(runs), "--resume"]))
 
 
 # ---- study logic without a cluster ------------------------------------------------------------------------------

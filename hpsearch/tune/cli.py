@@ -48,7 +48,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     space_path = Path(args.space) if args.space else DEFAULT_SPACE
     uri = resolve_tracking_uri(args.tracking_uri) if args.tracking_uri else None
     if args.resume:
-        name = args.name or _space_name(space_path)
+        name = args.name or _latest_study(args.storage_path, _space_name(space_path))
         study_dir = _study_dir(args.storage_path, name)
         state = load_state(study_dir)
         if args.space and space_path.read_text() != state["space_text"]:
@@ -62,7 +62,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         space = load_space(study_dir / SPACE_COPY, state["overrides"])
     else:
         space = load_space(space_path, overrides)
-        name = args.name or space.name
+        name = args.name or _next_free_study(args.storage_path, space.name)
         study_dir = _study_dir(args.storage_path, name)
         if study_dir.exists():
             raise ConfigError(f"--name {name}: a study of that name already exists in {study_dir}; add --resume to "
@@ -77,6 +77,28 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
 def _space_name(path: Path) -> str:
     data, _ = read_yaml(path)
     return str(data.get("name") or path.stem)
+
+
+def _numbered(storage_path: str, base: str) -> list[tuple[int, str]]:
+    """Existing studies named `base`, `base-2`, `base-3`, ... as (number, name)."""
+    root = _study_dir(storage_path, base).parent
+    found = [(1, base)] if (root / base).exists() else []
+    if root.is_dir():
+        found += [(int(p.name.rsplit("-", 1)[1]), p.name) for p in root.iterdir()
+                  if re.fullmatch(re.escape(base) + r"-\d+", p.name)]
+    return sorted(found)
+
+
+def _next_free_study(storage_path: str, base: str) -> str:
+    """Without --name, a new study never collides: `default`, then `default-2`, `default-3`, ..."""
+    taken = _numbered(storage_path, base)
+    return f"{base}-{taken[-1][0] + 1}" if taken else base
+
+
+def _latest_study(storage_path: str, base: str) -> str:
+    """`--resume` without --name continues the newest study of the space's name."""
+    taken = _numbered(storage_path, base)
+    return taken[-1][1] if taken else base
 
 
 def _study_dir(storage_path: str, name: str) -> Path:
