@@ -381,7 +381,7 @@ def init_ray(cfg: RunConfig) -> None:
     port = free_port()
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-             runtime_env={"env_vars": env})
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})  # every service on loopback
 
 
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from_checkpoint=None):
