@@ -404,6 +404,7 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
         run_config=ray.train.RunConfig(
             name=name, storage_path=storage_path, callbacks=list(callbacks),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # quiet the controller's INFO lines
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
         resume_from_checkpoint=resume_from_checkpoint,
     )
