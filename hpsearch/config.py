@@ -136,20 +136,13 @@ def coerce(value: Any, tp, where: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif tp in (int, float):
+        numeric = (int,) if tp is int else (int, float)  # an int field refuses 2.5; a float field takes 2
+        if isinstance(value, numeric) and not isinstance(value, bool):
+            return tp(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return tp(value)
             except ValueError:
                 pass
     elif tp is str:
