@@ -14,13 +14,12 @@ import torch
 from hpsearch.cli import run_main
 from hpsearch.config import load_config
 from hpsearch.errors import ConfigError
-from hpsearch.model import build_model
+from hpsearch.model import build_from_config
 
 
 def count(cfg, num_tasks: int) -> dict:
-    hparams = {k: v for k, v in vars(cfg.model).items() if k not in ("backbone", "method")}
     with torch.device("meta"):
-        model = build_model(cfg.model.backbone, cfg.model.method, [f"task{i}" for i in range(num_tasks)], **hparams)
+        model = build_from_config(cfg.model, [f"task{i}" for i in range(num_tasks)])
     extra = model.extra_parameters()
     backbone = sum(p.numel() for p in model.t5.parameters())
     return {"backbone": cfg.model.backbone, "method": cfg.model.method, "num_tasks": num_tasks,

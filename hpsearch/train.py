@@ -158,7 +158,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
     import deepspeed
 
     from hpsearch.data import MultiTaskSampler, encode_batch, get_tokenizer, load_suite
-    from hpsearch.model import build_model
+    from hpsearch.model import build_from_config
 
     session = session or RaySession()
     rank, world = session.rank, session.world_size
@@ -169,15 +169,14 @@ def train_loop(loop_config: dict, session=None) -> dict:
 
     suite = load_suite(cfg.data)
     torch.manual_seed(cfg.train.seed)
-    hparams = {k: v for k, v in vars(cfg.model).items() if k not in ("backbone", "method")}
-    model = build_model(cfg.model.backbone, cfg.model.method, suite.tasks, **hparams)
+    model = build_from_config(cfg.model, suite.tasks)
     tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, model.t5.config.vocab_size)
     extra_params = model.extra_parameters()["total"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                           config=deepspeed_config(cfg, world))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(cfg, world))  # the engine steps both
     sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
                                cfg.data.batching, cfg.data.seed, rank, world)
     step, best = 0, {"score": -math.inf, "step": 0}
@@ -241,7 +240,6 @@ def train_loop(loop_config: dict, session=None) -> dict:
                        "step_time": (now - t_last) / loss_n, "tokens_per_s": tokens_total / (now - t_last),
                        "extra_params": extra_params}
             metrics.update(evaluator.evaluate("validation"))
-            evaluator.step = step
             if metrics["score"] > best["score"]:
                 best = {"score": metrics["score"], "step": step}
                 engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
@@ -272,7 +270,7 @@ def finish(engine, evaluator, cfg, rank, best) -> dict:
         engine.load_checkpoint(str(out_dir / "best"), tag="best", load_optimizer_states=False,
                                load_lr_scheduler_states=False)
     else:  # no validation score ever (no validation rows): the last weights are the result
-        best = {"score": best["score"], "step": evaluator.step}
+        best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
     model = engine.module
     params = list(model.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # every rank joins the gather
@@ -293,7 +291,6 @@ class Evaluator:
     def __init__(self, engine, suite, tokenizer, cfg, rank, world, device):
         self.engine, self.suite, self.tok, self.cfg = engine, suite, tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
-        self.step = 0  # the training step of the latest evaluation
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:

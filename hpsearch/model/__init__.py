@@ -18,8 +18,8 @@ from hpsearch.model.mtl import MultiTaskBaseline
 
 METHOD_CLASSES = {"mtl": MultiTaskBaseline, "hyperprompt": HyperPromptT5}
 
-__all__ = ["NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config", "build_model", "model_config",
-           "save_export", "save_task_params"]
+__all__ = ["NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config", "build_from_config", "build_model",
+           "model_config", "save_export", "save_task_params"]
 
 
 def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelConfig:
@@ -34,11 +34,17 @@ def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelCo
     return cfg
 
 
+def build_from_config(cfg: ModelConfig, tasks, backbone=None) -> MultiTaskT5:
+    """`build_model` from a ModelConfig (the `model` section of a run config); `backbone` overrides cfg's."""
+    hparams = {k: v for k, v in vars(cfg).items() if k not in ("backbone", "method")}
+    return build_model(cfg.backbone if backbone is None else backbone, cfg.method, tasks, **hparams)
+
+
 def build_model(backbone="t5-tiny", method="hyperprompt", tasks=("task",), *, t5=None, **hparams) -> MultiTaskT5:
     """Build a multi-task T5. `backbone`: named shape, T5Config, hub id, local checkpoint, or an hpsearch export
     directory (`save_export`; then method, tasks and hparams come from the export). `t5`: reuse this T5."""
     if is_export(backbone):
-        return load_export(backbone, build_model)
+        return load_export(backbone, build_from_config)
     if not tasks:
         raise ConfigError("tasks: empty; a multi-task model needs at least one task")
     cfg = model_config(backbone, method, **hparams)

@@ -58,16 +58,15 @@ def save_task_params(model, directory, state: dict[str, torch.Tensor] | None = N
 
 
 def load_export(directory, build):
-    """Rebuild the model of a full export with `build(t5_config, method, tasks, **hparams)` and load weights."""
+    """Rebuild the model of a full export with `build(model_config, tasks, backbone=t5_config)`, load weights."""
     from transformers import T5Config
+
+    from hpsearch.model.config import ModelConfig
 
     directory = Path(directory)
     _check_full_export(directory)
     meta = json.loads((directory / MARKER).read_text())
-    hparams = dict(meta["model"])
-    hparams.pop("backbone")
-    method = hparams.pop("method")
-    model = build(T5Config.from_dict(meta["t5_config"]), method, meta["tasks"], **hparams)
+    model = build(ModelConfig(**meta["model"]), meta["tasks"], backbone=T5Config.from_dict(meta["t5_config"]))
     model.cfg.backbone = meta["model"]["backbone"]
     missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
     if missing or unexpected:
