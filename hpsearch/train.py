@@ -192,8 +192,12 @@ def train_loop(loop_config: dict, session=None) -> dict:
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
         step, best = client["step"], client["best"]
         _set_rng_state(client["rng"])
-        shutil.rmtree(out_dir / "best", ignore_errors=True)
-        _copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)  # the best weights so far
+        # the best weights so far: rank 0 clears the folder, then every rank copies in its own shard
+        if rank == 0:
+            shutil.rmtree(out_dir / "best", ignore_errors=True)
+        torch.distributed.barrier()
+        _copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)
+        torch.distributed.barrier()
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
         if isinstance(session, RaySession):
             shutil.rmtree(resume_dir, ignore_errors=True)  # a downloaded copy of the Ray checkpoint
