@@ -1,0 +1,54 @@
+"""`python -m hpsearch.train`: train one configuration (see hpsearch/train/__init__.py)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hpsearch.cli import run_main
+from hpsearch.config import load_config
+from hpsearch.errors import UserError
+from hpsearch.train import __doc__ as DOC
+from hpsearch.train.launch import TrainingFailed, run_with_ray
+from hpsearch.train.loop import NonFiniteLoss, train_loop
+from hpsearch.train.sessions import LocalSession
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpsearch.train", description=DOC.splitlines()[0])
+    parser.add_argument("--config", help="run config YAML (sections model, data, train)")
+    parser.add_argument("--local", action="store_true", help="run the loop in this process, without Ray")
+    parser.add_argument("--resume-from", help="a checkpoint directory to resume from")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. model.variant=global")
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    from hpsearch.data import load_suite
+    load_suite(cfg.data)  # data mistakes fail here, before any worker starts
+    if args.resume_from and not (Path(args.resume_from) / "state").is_dir():
+        raise UserError(f"--resume-from: {args.resume_from} is not a checkpoint (expected a directory holding "
+                        "state/, e.g. <train.output_dir>/checkpoints/step_N)")
+    if args.local and cfg.train.use_gpu and not torch.cuda.is_available():
+        raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
+    if args.local:
+        if cfg.train.num_workers != 1:
+            print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)
+            cfg.train.num_workers = 1
+        try:
+            metrics = train_loop({"run": cfg.to_dict()}, LocalSession(cfg, args.resume_from))
+        except NonFiniteLoss as e:
+            raise TrainingFailed(str(e)) from None
+    else:
+        metrics = run_with_ray(cfg, args.resume_from)
+    tasks = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("task/") and k.endswith("/score")}
+    summary = {"step": metrics.get("step"), "loss": metrics.get("loss"), "score": metrics.get("score"),
+               "test_score": metrics.get("test_score"), "tasks": tasks, "output_dir": metrics.get("output_dir"),
+               "extra_params": metrics.get("extra_params"), "best_step": metrics.get("best_step")}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

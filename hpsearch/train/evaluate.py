@@ -1,0 +1,53 @@
+"""Validation and test scoring: greedy generation on every task's split, rows sharded over the ranks."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Evaluator:
+    """Generate on every task's split, parse, score. Rows are sharded over ranks; every rank runs the same
+    number of generate calls (ZeRO-3 gathers parameters collectively), with `synced_gpus` across ranks."""
+
+    def __init__(self, engine, suite, tokenizer, cfg, rank, world, device):
+        self.engine, self.suite, self.tok, self.cfg = engine, suite, tokenizer, cfg
+        self.rank, self.world, self.device = rank, world, device
+
+    @torch.no_grad()
+    def evaluate(self, split: str, prefix: str = "") -> dict:
+        from hpsearch.data import decode, encode_batch, score_task, suite_score
+
+        model = self.engine.module
+        model.eval()
+        model.freeze_prompts()  # inference pays no hypernetwork cost
+        bs = self.cfg.train.eval_batch_size
+        metrics, scores = {}, {}
+        for task_id, task in enumerate(self.suite.tasks):
+            rows = self.suite.split(task, split)
+            if not rows:
+                continue
+            mine = list(range(self.rank, len(rows), self.world))
+            n_batches = math.ceil(math.ceil(len(rows) / self.world) / bs)
+            preds: dict[int, str] = {}
+            for b in range(n_batches):
+                idx = mine[b * bs:(b + 1) * bs]
+                examples = [rows[i] for i in idx] or [rows[0]]  # a dummy row keeps ranks in lockstep
+                batch = encode_batch(examples, [task_id] * len(examples), self.tok, self.cfg.data)
+                out = model.generate(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                                     task_ids=batch["task_ids"].to(self.device),
+                                     max_new_tokens=self.cfg.train.max_new_tokens, do_sample=False, num_beams=1,
+                                     synced_gpus=self.world > 1)
+                preds.update(zip(idx, decode(self.tok, out)))
+            if self.world > 1:
+                gathered: list = [None] * self.world
+                torch.distributed.all_gather_object(gathered, preds)
+                preds = {k: v for part in gathered for k, v in part.items()}
+            result = score_task(task, [preds[i] for i in range(len(rows))], rows)
+            scores[task] = result["score"]
+            tag = prefix or "task"
+            metrics.update({f"{tag}/{task}/{name}": value for name, value in result.items()})
+        model.train()
+        metrics[f"{prefix}_score" if prefix else "score"] = suite_score(scores) if scores else float("nan")
+        return metrics
+

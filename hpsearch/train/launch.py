@@ -1,0 +1,113 @@
+"""Ray Train: a TorchTrainer running the loop on `train.num_workers` DeepSpeed ranks, and a private local Ray."""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import time
+from pathlib import Path
+
+from hpsearch.config import RunConfig
+from hpsearch.errors import UserError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_train_loop(loop_config: dict) -> None:
+    from hpsearch.train.loop import train_loop
+    train_loop(loop_config)
+
+
+def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
+    env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning", "TOKENIZERS_PARALLELISM": "false"}
+    if not cfg.train.use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join the cluster named by RAY_ADDRESS (set for a job by `ray job submit`), else start a private local Ray
+    (never another Ray found on this machine) with its dashboard on 127.0.0.1.
+
+    The dashboard stays on and its address is handed to every actor: Ray Train's placement-group cleaner asks the
+    State API whether a run's Train controller is still alive, and without a dashboard, or with several Ray
+    instances on one machine, it cannot tell, so a stopped run's workers are never released and the next run
+    waits for them forever."""
+    import ray
+
+    env = runtime_env_vars(cfg)
+    if os.environ.get("RAY_ADDRESS"):
+        env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"]
+        ray.init(include_dashboard=True, runtime_env={"env_vars": env})
+        return
+    port = free_port()
+    env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})  # every service on loopback
+
+
+def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from_checkpoint=None):
+    """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    resources = {"CPU": cfg.train.cpus_per_worker}
+    if cfg.train.use_gpu:
+        resources["GPU"] = cfg.train.gpus_per_worker
+    # by reference (module hpsearch.train.launch), also when the command runs as __main__
+    loop = importlib.import_module("hpsearch.train.launch")._ray_train_loop
+    return TorchTrainer(
+        loop,
+        train_loop_config={"run": cfg.to_dict()},
+        torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=storage_path, callbacks=list(callbacks),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # quiet the controller's INFO lines
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
+        resume_from_checkpoint=resume_from_checkpoint,
+    )
+
+
+def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
+    import ray
+    import ray.train
+
+    started = not ray.is_initialized()
+    if started:
+        init_ray(cfg)
+    storage = str(Path(cfg.train.output_dir, "ray").resolve())
+    ckpt = ray.train.Checkpoint.from_directory(resume_from) if resume_from else None
+    name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
+    trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from_checkpoint=ckpt)
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray wraps a worker's error; surface its reason in one line
+        if os.environ.get("HPSEARCH_DEBUG"):
+            raise
+        raise TrainingFailed(failure_reason(e)) from None
+    finally:
+        if started:
+            ray.shutdown()  # flushes worker logs before the final JSON line
+    return dict(result.metrics)
+
+
+class TrainingFailed(UserError):
+    """The run stopped with a reason (non-finite loss, a worker error): one line, exit code 2."""
+
+
+def failure_reason(e: BaseException) -> str:
+    """One line from Ray's wrapped worker error: the non-finite-loss reason, else the last error line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not set(ln.strip()) <= set("=-")]
+    for line in lines:
+        if "non-finite loss" in line:
+            return line[line.index("non-finite loss"):]
+    errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
+    return (errors or lines or [type(e).__name__])[-1]
+

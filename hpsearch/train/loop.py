@@ -1,0 +1,211 @@
+"""The training loop, one per rank: DeepSpeed engine, sampled batches, evaluations, checkpoints, the final export."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hpsearch.config import dump_yaml, load_config
+from hpsearch.errors import UserError
+from hpsearch.train.dsconfig import deepspeed_config, lr_lambda
+from hpsearch.train.evaluate import Evaluator
+from hpsearch.train.launch import free_port
+from hpsearch.train.sessions import RaySession
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def _all_ranks_any(flag: bool, device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)  # on the backend's device (NCCL: CUDA)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _all_ranks_sum(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def _copy_rank_files(src: Path, dst: Path, rank: int) -> None:
+    """Copy this rank's files of a DeepSpeed checkpoint folder (rank 0 also the shared ones)."""
+    for f in sorted(src.rglob("*")):
+        if f.is_file() and (f"zero_pp_rank_{rank}_" in f.name or (rank == 0 and "zero_pp_rank_" not in f.name)):
+            target = dst / f.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def train_loop(loop_config: dict, session=None) -> dict:
+    """Train `loop_config["run"]` (a RunConfig dict) on this rank; returns the final metrics."""
+    cfg = load_config(base=loop_config["run"])
+    if not cfg.train.use_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from hpsearch.data import MultiTaskSampler, encode_batch, get_tokenizer, load_suite
+    from hpsearch.model import build_from_config
+
+    session = session or RaySession()
+    rank, world = session.rank, session.world_size
+    if not torch.distributed.is_initialized():
+        _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
+
+    suite = load_suite(cfg.data)
+    torch.manual_seed(cfg.train.seed)
+    model = build_from_config(cfg.model, suite.tasks)
+    tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, model.t5.config.vocab_size)
+    extra_params = model.extra_parameters()["total"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(cfg, world))  # the engine steps both
+    sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
+                               cfg.data.batching, cfg.data.seed, rank, world)
+    step, best = 0, {"score": -math.inf, "step": 0}
+    out_dir = Path(cfg.train.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resume_dir = session.get_checkpoint_dir()
+    if resume_dir:
+        try:
+            _, client = engine.load_checkpoint(resume_dir, tag="state")
+            sampler.load_state_dict(client["sampler"])
+        except Exception as e:
+            raise UserError(f"resume checkpoint {resume_dir} does not match this run's config "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        step, best = client["step"], client["best"]
+        _set_rng_state(client["rng"])
+        # the best weights so far: rank 0 clears the folder, then every rank copies in its own shard
+        if rank == 0:
+            shutil.rmtree(out_dir / "best", ignore_errors=True)
+        torch.distributed.barrier()
+        _copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)
+        torch.distributed.barrier()
+        _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
+        if isinstance(session, RaySession):
+            shutil.rmtree(resume_dir, ignore_errors=True)  # a downloaded copy of the Ray checkpoint
+    elif rank == 0:
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+    evaluator = Evaluator(engine, suite, tokenizer, cfg, rank, world, device)
+    t_start, tokens, loss_sum, loss_n, t_last = time.perf_counter(), 0, 0.0, 0, time.perf_counter()
+    lr_used = cfg.train.lr
+    steps_at_start = step
+    final: dict = {}
+    while step < cfg.train.max_steps:
+        engine.train()
+        step_loss = 0.0
+        for _ in range(cfg.train.grad_accum):
+            picks = next(sampler)
+            examples = [suite.split(suite.tasks[t], "train")[i] for t, i in picks]
+            batch = {k: v.to(device) for k, v in encode_batch(examples, [t for t, _ in picks], tokenizer,
+                                                              cfg.data).items()}
+            loss = engine(**batch).loss
+            if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
+                loss = loss * float("nan")
+            if _all_ranks_any(not torch.isfinite(loss).item(), device):
+                raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at step {step + 1}: stopping the run "
+                                    f"(lower train.lr or raise train.warmup_steps)")
+            engine.backward(loss)
+            lr_used = engine.get_lr()[0]  # the learning rate this update uses
+            engine.step()
+            step_loss += loss.item() / cfg.train.grad_accum
+            tokens += int(batch["attention_mask"].sum() + (batch["labels"] != -100).sum())
+        step += 1
+        if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
+            time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
+            os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
+        loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
+        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            elapsed = time.perf_counter() - t_start
+            rate = (step - steps_at_start) / elapsed
+            _rank0_print(rank, f"step {step}/{cfg.train.max_steps} loss {step_loss:.4f} {rate:.2f} steps/s "
+                               f"ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
+        if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
+            now = time.perf_counter()
+            loss_total, tokens_total = _all_ranks_sum([loss_sum, tokens], device)  # over all ranks' shards
+            metrics = {"step": step, "loss": loss_total / (loss_n * world), "lr": lr_used,
+                       "step_time": (now - t_last) / loss_n, "tokens_per_s": tokens_total / (now - t_last),
+                       "extra_params": extra_params}
+            metrics.update(evaluator.evaluate("validation"))
+            if metrics["score"] > best["score"]:
+                best = {"score": metrics["score"], "step": step}
+                engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
+            final = metrics
+            with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
+                engine.save_checkpoint(ckpt, tag="state", client_state={
+                    "sampler": sampler.state_dict(), "step": step, "best": best, "rng": _rng_state()})
+                _copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel along
+                if step == cfg.train.max_steps:
+                    final = {**metrics, **finish(engine, evaluator, cfg, rank, best)}
+                if rank == 0:
+                    with open(out_dir / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(final) + "\n")
+                session.report(final, ckpt)
+            tokens, loss_sum, loss_n, t_last = 0, 0.0, 0, time.perf_counter()
+    return final
+
+
+def finish(engine, evaluator, cfg, rank, best) -> dict:
+    """Load the best validation checkpoint, export it, and score it on the test split."""
+    import deepspeed
+
+    from hpsearch.model import save_export, save_task_params
+
+    out_dir = Path(cfg.train.output_dir)
+    has_best = _all_ranks_sum([float((out_dir / "best" / "best").is_dir())], evaluator.device)[0] == evaluator.world
+    if best["step"] and has_best:
+        engine.load_checkpoint(str(out_dir / "best"), tag="best", load_optimizer_states=False,
+                               load_lr_scheduler_states=False)
+    else:  # no validation score ever (no validation rows): the last weights are the result
+        best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
+    model = engine.module
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # every rank joins the gather
+        if rank == 0:
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            save_export(model, out_dir / "model", state)
+            save_task_params(model, out_dir / "task_params", state)
+            (out_dir / "config.yaml").write_text(dump_yaml(cfg))
+    test = evaluator.evaluate("test", prefix="test")
+    return {"test_score": test.pop("test_score"), **test, "best_step": best["step"], "final": 1.0,
+            "output_dir": str(out_dir.resolve())}
+
+
+def _rank0_print(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[hpsearch.train] {text}", flush=True)
+
+
+def _init_single_process_group(backend: str) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group(backend, rank=0, world_size=1)
+
+

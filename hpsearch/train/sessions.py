@@ -1,0 +1,53 @@
+"""Where a rank's reports and checkpoints go: stdout and a local folder (`--local`), or Ray Train."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from hpsearch.config import RunConfig
+
+
+class LocalSession:
+    """`--local`: report to stdout, checkpoints under output_dir/checkpoints/step_N."""
+
+    def __init__(self, cfg: RunConfig, resume_from: str | None):
+        self.dir = Path(cfg.train.output_dir) / "checkpoints"
+        self.resume_from = resume_from
+        self.history: list[dict] = []
+
+    rank, world_size = 0, 1
+
+    def get_checkpoint_dir(self) -> str | None:
+        return self.resume_from
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir:
+            target = self.dir / f"step_{metrics['step']}"
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(checkpoint_dir, target)
+            metrics = {**metrics, "checkpoint": str(target)}
+        self.history.append(metrics)
+
+
+class RaySession:
+    """Inside a Ray Train worker: ray.train.report (every rank, its own ZeRO shard) and get_checkpoint."""
+
+    def __init__(self):
+        import ray.train
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self._ckpt = ray.train.get_checkpoint()
+        self._resume_dir = None
+
+    def get_checkpoint_dir(self) -> str | None:
+        if self._ckpt is None:
+            return None
+        self._resume_dir = tempfile.mkdtemp(prefix="hpsearch-resume-")
+        return self._ckpt.to_directory(self._resume_dir)
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        import ray.train
+        ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=ckpt)
+
