@@ -236,5 +236,17 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     return cfg
 
 
+def absolute_paths(cfg: RunConfig) -> None:
+    """Ray runs every worker and trial in a working directory of its own: make the config's local paths absolute
+    (in place), in the driver, before Ray starts."""
+    if cfg.data.source not in ("synthetic", "hub"):
+        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
+    if cfg.data.cache_dir:
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
+    cfg.train.output_dir = str(Path(cfg.train.output_dir).expanduser().resolve())
+    if Path(cfg.model.backbone).expanduser().is_dir():
+        cfg.model.backbone = str(Path(cfg.model.backbone).expanduser().resolve())
+
+
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -14,10 +14,10 @@ FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "trai
         "data.synthetic_train_rows=300", "data.synthetic_eval_rows=60", "train.lr=3e-3", "train.warmup_steps=5"]
 
 
-def run_train(*args, timeout=600):
+def run_train(*args, timeout=600, cwd=None):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "hpsearch.train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def final_json(proc) -> dict:
@@ -74,7 +74,11 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert resumed["score"] == pytest.approx(full["score"], abs=1e-6)
     assert resumed["tasks"] == pytest.approx(full["tasks"], abs=1e-6)
     assert resumed["test_score"] == pytest.approx(full["test_score"], abs=1e-6)
-    assert resumed["best_step"] == full["best_step"]
+    assert resumed["best_step"] == full["best_step"] and resumed["best_score"] == full["best_score"]
+    # restored at its last step (the run had finished): nothing to train, the finished run's result is reported
+    again = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/again",
+                                 "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_40")))
+    assert again == full and again["test_score"] is not None  # exports stay where the run wrote them
     # the exported model reloads with build_model and is a full model
     from hpsearch.model import build_model
     model = build_model(str(tmp_path / "full" / "model"))
@@ -117,10 +121,19 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
 @pytest.mark.slow
 def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     args = [*FAST, "train.num_workers=2", "train.micro_batch_size=8"]
-    base = final_json(run_train(*args, f"train.output_dir={tmp_path}/a"))
+    base = final_json(run_train(*args, "train.output_dir=a", cwd=tmp_path))  # relative: this directory's
+    assert base["output_dir"] == str(tmp_path / "a")
+    for name in ("config.yaml", "metrics.jsonl", "model/model.safetensors", "task_params/task_params.safetensors"):
+        assert (tmp_path / "a" / name).is_file(), name
     history = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert [h["step"] for h in history] == [20, 40]
     assert history[-1]["loss"] < history[0]["loss"] and base["loss"] == history[-1]["loss"]
+    assert [h["best_score"] for h in history] == [history[0]["score"], max(h["score"] for h in history)]
+    # --resume-from with Ray (Train V2 has no resume_from_checkpoint): from the run's last Ray checkpoint, which is
+    # its final step, the run reports the finished run's result again
+    (last,) = [p for p in (tmp_path / "a" / "ray").glob("*/checkpoint_*") if (p / "state").is_dir()]
+    again = final_json(run_train(*args, "train.output_dir=c", "--resume-from", str(last), cwd=tmp_path))
+    assert again == base  # the same result, exports included (they stay where the run wrote them)
     # a worker dies at step 25; Ray Train restarts both ranks from the step-20 checkpoint and finishes
     crashed = final_json(run_train(*args, "train.debug_crash_at_step=25", "train.max_failures=1",
                                    f"train.output_dir={tmp_path}/b"))

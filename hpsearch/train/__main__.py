@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from hpsearch.cli import run_main
-from hpsearch.config import load_config
+from hpsearch.config import absolute_paths, load_config
 from hpsearch.errors import UserError
 from hpsearch.train import __doc__ as DOC
+from hpsearch.train import checkpoints
 from hpsearch.train.launch import TrainingFailed, run_with_ray
 from hpsearch.train.loop import NonFiniteLoss, train_loop
 from hpsearch.train.sessions import LocalSession
@@ -25,11 +26,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. model.variant=global")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
+    absolute_paths(cfg)  # workers run elsewhere: train.output_dir and data paths are this directory's
     from hpsearch.data import load_suite
     load_suite(cfg.data)  # data mistakes fail here, before any worker starts
     if args.resume_from and not (Path(args.resume_from) / "state").is_dir():
         raise UserError(f"--resume-from: {args.resume_from} is not a checkpoint (expected a directory holding "
                         "state/, e.g. <train.output_dir>/checkpoints/step_N)")
+    if args.resume_from:
+        checkpoints.check_files(args.resume_from)  # refused before anything starts, nothing unpickled
     if args.local and cfg.train.use_gpu and not torch.cuda.is_available():
         raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
     if args.local:
@@ -43,9 +47,8 @@ def main(argv: list[str]) -> int:
     else:
         metrics = run_with_ray(cfg, args.resume_from)
     tasks = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("task/") and k.endswith("/score")}
-    summary = {"step": metrics.get("step"), "loss": metrics.get("loss"), "score": metrics.get("score"),
-               "test_score": metrics.get("test_score"), "tasks": tasks, "output_dir": metrics.get("output_dir"),
-               "extra_params": metrics.get("extra_params"), "best_step": metrics.get("best_step")}
+    keys = ("step", "loss", "score", "best_score", "best_step", "test_score", "output_dir", "extra_params")
+    summary = {**{k: metrics.get(k) for k in keys}, "tasks": tasks}
     print(json.dumps(summary))
     return 0
 

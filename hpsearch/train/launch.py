@@ -50,8 +50,9 @@ def init_ray(cfg: RunConfig) -> None:
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})  # every service on loopback
 
 
-def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from_checkpoint=None):
-    """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks."""
+def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None):
+    """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
+    checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -62,7 +63,8 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     loop = importlib.import_module("hpsearch.train.launch")._ray_train_loop
     return TorchTrainer(
         loop,
-        train_loop_config={"run": cfg.to_dict()},
+        train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
+                           else None},
         torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),
@@ -71,7 +73,6 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # quiet the controller's INFO lines
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
-        resume_from_checkpoint=resume_from_checkpoint,
     )
 
 
@@ -83,9 +84,8 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
     if started:
         init_ray(cfg)
     storage = str(Path(cfg.train.output_dir, "ray").resolve())
-    ckpt = ray.train.Checkpoint.from_directory(resume_from) if resume_from else None
     name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
-    trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from_checkpoint=ckpt)
+    trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from=resume_from)
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps a worker's error; surface its reason in one line

@@ -13,6 +13,7 @@ import torch
 
 from hpsearch.config import dump_yaml, load_config
 from hpsearch.errors import UserError
+from hpsearch.train import checkpoints
 from hpsearch.train.dsconfig import deepspeed_config, lr_lambda
 from hpsearch.train.evaluate import Evaluator
 from hpsearch.train.launch import free_port
@@ -37,28 +38,6 @@ def _all_ranks_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def _copy_rank_files(src: Path, dst: Path, rank: int) -> None:
-    """Copy this rank's files of a DeepSpeed checkpoint folder (rank 0 also the shared ones)."""
-    for f in sorted(src.rglob("*")):
-        if f.is_file() and (f"zero_pp_rank_{rank}_" in f.name or (rank == 0 and "zero_pp_rank_" not in f.name)):
-            target = dst / f.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
-
-
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def train_loop(loop_config: dict, session=None) -> dict:
     """Train `loop_config["run"]` (a RunConfig dict) on this rank; returns the final metrics."""
     cfg = load_config(base=loop_config["run"])
@@ -69,7 +48,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
     from hpsearch.data import MultiTaskSampler, encode_batch, get_tokenizer, load_suite
     from hpsearch.model import build_from_config
 
-    session = session or RaySession()
+    session = session or RaySession(loop_config.get("resume_from"))
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
@@ -78,7 +57,8 @@ def train_loop(loop_config: dict, session=None) -> dict:
 
     suite = load_suite(cfg.data)
     torch.manual_seed(cfg.train.seed)
-    model = build_from_config(cfg.model, suite.tasks)
+    model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
+    torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, model.t5.config.vocab_size)
     extra_params = model.extra_parameters()["total"]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -93,23 +73,28 @@ def train_loop(loop_config: dict, session=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     resume_dir = session.get_checkpoint_dir()
     if resume_dir:
+        client = checkpoints.load(engine, resume_dir, tag="state")
         try:
-            _, client = engine.load_checkpoint(resume_dir, tag="state")
             sampler.load_state_dict(client["sampler"])
-        except Exception as e:
-            raise UserError(f"resume checkpoint {resume_dir} does not match this run's config "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-        step, best = client["step"], client["best"]
-        _set_rng_state(client["rng"])
+            step, best = client["step"], client["best"]
+            checkpoints.set_rng_state(client["rng"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"checkpoint {resume_dir} does not match this run's config (client state: "
+                            f"{type(e).__name__}: {e})") from None
+        done = checkpoints.read_report(resume_dir) if step >= cfg.train.max_steps else None
+        if done is not None:  # restored at its last step: the run is over, its result is in the checkpoint
+            _rank0_print(rank, f"resumed from {resume_dir} at its last step {step}: reporting its result")
+            session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
+            session.release_checkpoint_dir()
+            return done
         # the best weights so far: rank 0 clears the folder, then every rank copies in its own shard
         if rank == 0:
             shutil.rmtree(out_dir / "best", ignore_errors=True)
         torch.distributed.barrier()
-        _copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)
+        checkpoints.copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)
         torch.distributed.barrier()
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
-        if isinstance(session, RaySession):
-            shutil.rmtree(resume_dir, ignore_errors=True)  # a downloaded copy of the Ray checkpoint
+        session.release_checkpoint_dir()
     elif rank == 0:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     evaluator = Evaluator(engine, suite, tokenizer, cfg, rank, world, device)
@@ -156,16 +141,18 @@ def train_loop(loop_config: dict, session=None) -> dict:
             if metrics["score"] > best["score"]:
                 best = {"score": metrics["score"], "step": step}
                 engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
+            metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
             final = metrics
             with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
                 engine.save_checkpoint(ckpt, tag="state", client_state={
-                    "sampler": sampler.state_dict(), "step": step, "best": best, "rng": _rng_state()})
-                _copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel along
+                    "sampler": sampler.state_dict(), "step": step, "best": best, "rng": checkpoints.rng_state()})
+                checkpoints.copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel
                 if step == cfg.train.max_steps:
                     final = {**metrics, **finish(engine, evaluator, cfg, rank, best)}
                 if rank == 0:
                     with open(out_dir / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(final) + "\n")
+                    checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
                 session.report(final, ckpt)
             tokens, loss_sum, loss_n, t_last = 0, 0.0, 0, time.perf_counter()
     return final
@@ -180,8 +167,8 @@ def finish(engine, evaluator, cfg, rank, best) -> dict:
     out_dir = Path(cfg.train.output_dir)
     has_best = _all_ranks_sum([float((out_dir / "best" / "best").is_dir())], evaluator.device)[0] == evaluator.world
     if best["step"] and has_best:
-        engine.load_checkpoint(str(out_dir / "best"), tag="best", load_optimizer_states=False,
-                               load_lr_scheduler_states=False)
+        checkpoints.load(engine, out_dir / "best", tag="best", load_optimizer_states=False,
+                         load_lr_scheduler_states=False)
     else:  # no validation score ever (no validation rows): the last weights are the result
         best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
     model = engine.module

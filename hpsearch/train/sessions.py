@@ -21,6 +21,9 @@ class LocalSession:
     def get_checkpoint_dir(self) -> str | None:
         return self.resume_from
 
+    def release_checkpoint_dir(self) -> None:
+        pass  # the user's folder
+
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         if checkpoint_dir:
             target = self.dir / f"step_{metrics['step']}"
@@ -31,20 +34,28 @@ class LocalSession:
 
 
 class RaySession:
-    """Inside a Ray Train worker: ray.train.report (every rank, its own ZeRO shard) and get_checkpoint."""
+    """Inside a Ray Train worker: ray.train.report (every rank, its own ZeRO shard) and get_checkpoint.
 
-    def __init__(self):
+    A run restarted by Ray Train (worker failure) or resumed by Tune continues from Ray's latest checkpoint; else
+    from `resume_from` (`python -m hpsearch.train --resume-from DIR`: a folder every worker can read)."""
+
+    def __init__(self, resume_from: str | None = None):
         import ray.train
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self._ckpt = ray.train.get_checkpoint()
+        self._resume_from = resume_from
         self._resume_dir = None
 
     def get_checkpoint_dir(self) -> str | None:
         if self._ckpt is None:
-            return None
+            return self._resume_from
         self._resume_dir = tempfile.mkdtemp(prefix="hpsearch-resume-")
         return self._ckpt.to_directory(self._resume_dir)
+
+    def release_checkpoint_dir(self) -> None:
+        if self._resume_dir:  # a downloaded copy of the Ray checkpoint
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         import ray.train

@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from hpsearch.config import read_yaml
+from hpsearch.config import absolute_paths, read_yaml
 from hpsearch.errors import ConfigError
 from hpsearch.tune.spacefile import load_space
-from hpsearch.tune.study import SPACE_COPY, Study, absolute_paths, load_state
+from hpsearch.tune.study import SPACE_COPY, Study, load_state
 
 DEFAULT_SPACE = Path(__file__).resolve().parents[2] / "search_spaces" / "default.yaml"
 INTERRUPTED = 130

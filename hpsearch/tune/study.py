@@ -68,16 +68,6 @@ def load_state(study_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def absolute_paths(cfg: RunConfig) -> None:
-    """Trials run in their own working directory: make the config's local paths absolute (in place)."""
-    if cfg.data.source not in ("synthetic", "hub"):
-        cfg.data.source = str(Path(cfg.data.source).expanduser().resolve())
-    if cfg.data.cache_dir:
-        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
-    if Path(cfg.model.backbone).expanduser().is_dir():
-        cfg.model.backbone = str(Path(cfg.model.backbone).expanduser().resolve())
-
-
 # ---- one trial (runs in a Tune actor) -----------------------------------------------------------------------------
 def run_trial(config: dict[str, Any], study: Study) -> None:
     """A Tune function trainable: train this trial's run config with the training recipe's TorchTrainer."""

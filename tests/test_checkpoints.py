@@ -1,0 +1,83 @@
+"""Checkpoints never run code: a pickle payload is refused (before anything starts, and at DeepSpeed's own load)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpsearch.errors import UserError
+from hpsearch.train import checkpoints
+
+
+class Payload:
+    """Unpickling this runs `touch <marker>`."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def evil_checkpoint(folder: Path, marker: Path) -> Path:
+    """A folder shaped like a DeepSpeed ZeRO checkpoint (`latest`, `state/…_model_states.pt`) carrying a payload."""
+    (folder / "state").mkdir(parents=True)
+    torch.save({"module": {"w": torch.zeros(2)}, "x": Payload(marker)},
+               folder / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    (folder / "latest").write_text("state")
+    return folder
+
+
+def test_payload_is_live(tmp_path):
+    """The payload really runs when unpickled as DeepSpeed does it (weights_only=False): the tests below mean it."""
+    ckpt = evil_checkpoint(tmp_path / "ckpt", tmp_path / "ran")
+    torch.load(ckpt / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)
+    assert (tmp_path / "ran").exists()
+
+
+def test_resume_from_a_payload_checkpoint_is_refused_in_one_line(tmp_path):
+    ckpt = evil_checkpoint(tmp_path / "ckpt", tmp_path / "ran")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "hpsearch.train", "--local", "--resume-from", str(ckpt),
+                           f"train.output_dir={tmp_path}/out", "train.max_steps=3"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "refused" in proc.stderr and "posix.system" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "ran").exists()
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+class DeepSpeedLikeEngine:
+    """Loads as DeepSpeed's TorchCheckpointEngine does: `torch.load(path, weights_only=False)`."""
+
+    def load_checkpoint(self, directory, tag, **kwargs):
+        path = Path(directory) / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        return str(path), state
+
+
+def test_deepspeed_style_load_is_forced_weights_only(tmp_path):
+    """A resume from Tune's storage skips the command's check: the load itself must refuse the payload."""
+    ckpt = evil_checkpoint(tmp_path / "ckpt", tmp_path / "ran")
+    with pytest.raises(UserError, match="refused, it holds posix.system"):
+        checkpoints.load(DeepSpeedLikeEngine(), ckpt, tag="state")
+    assert not (tmp_path / "ran").exists()
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored afterwards
+
+
+def test_plain_weights_load_and_corrupt_files_are_named(tmp_path):
+    (tmp_path / "ok" / "state").mkdir(parents=True)
+    f = tmp_path / "ok" / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(3)}, "step": 4, "rng": {"cpu": torch.get_rng_state()}}, f)
+    checkpoints.check_files(tmp_path / "ok")
+    assert checkpoints.load(DeepSpeedLikeEngine(), tmp_path / "ok", tag="state")["step"] == 4
+    f.write_bytes(f.read_bytes()[:200])  # truncated: an interrupted copy
+    with pytest.raises(UserError, match="zero_pp_rank_0_mp_rank_00_model_states.pt is corrupt or incomplete"):
+        checkpoints.check_files(tmp_path / "ok")
+    with pytest.raises(UserError, match="corrupt or incomplete"):
+        checkpoints.load(DeepSpeedLikeEngine(), tmp_path / "ok", tag="state")
