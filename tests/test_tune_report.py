@@ -52,18 +52,38 @@ def test_report_best_pareto_importances_and_plots(tmp_path, monkeypatch):
     built = report.build(study, None, tmp_path / "plots")
     assert built.best.trial_id == "b"
     assert [r.trial_id for r in built.pareto] == ["b", "d"]
-    assert set(built.importances) == {"fANOVA / score", "MDI / score", "fANOVA / extra_params",
+    assert set(built.importances) == {"fANOVA / best_score", "MDI / best_score", "fANOVA / extra_params",
                                       "MDI / extra_params"}
-    fanova = built.importances["fANOVA / score"]
+    fanova = built.importances["fANOVA / best_score"]
     assert set(fanova) == {"model.variant", "model.placement", "model.prompt_length_encoder", "model.bottleneck",
                            "train.lr"}
     assert fanova["model.variant"] + fanova["train.lr"] > 0.9  # the two that vary explain the scores
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {
         "optimization_history.png", "parallel_coordinates.png", "importances.png", "pareto_front.png"}
     text = report.render(built, 65.0, "MLflow: x")
-    assert "Best trial b by score" in text and "Pareto front" in text and "1 failed" in text
+    assert "Best trial b by best_score" in text and "Pareto front" in text and "1 failed" in text
     assert "non-finite loss (nan) at step 12" in text
     assert report.trials_table(built)["outcome"].tolist() == ["complete"] * 4 + ["stopped", "failed"]
+
+
+def test_trials_are_ranked_by_the_model_they_deliver(tmp_path, monkeypatch):
+    """A trial that peaked early and then overfit delivers its best-validation checkpoint: it is ranked (best trial,
+    Pareto front, Optuna's value) by best_score, not by its last score."""
+    peaked = rows()
+    peaked[2].metrics.update(score=40.0, best_score=80.0, best_step=50)  # c: 80 at step 50, 40 at the end
+    for r in peaked[:2] + peaked[3:5]:
+        r.metrics["best_score"] = r.metrics["score"]
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
+    monkeypatch.setattr(report, "collect", lambda study, grid: peaked)
+    built = report.build(study, None, tmp_path / "plots")
+    assert built.best.trial_id == "c"
+    assert {r.trial_id for r in built.pareto} == {"b", "c", "d"}  # by its last score (40) c would be dominated
+    values = {t.user_attrs["trial_id"]: t.values for t in report.analysis_study(study, peaked).trials
+              if t.state == TrialState.COMPLETE}
+    assert values["c"] == [80.0, 120_000]
+    metrics, tags = report.summary(built)
+    assert metrics["best_score"] == 80.0 and tags["hpsearch.best_trial"] == "c"
+    assert study.space.primary.metric == "score" and study.space.primary.final_metric == "best_score"
 
 
 def test_single_objective_report_has_intermediate_values(tmp_path, monkeypatch):

@@ -82,7 +82,7 @@ def test_default_space_shape():
                                                  "global]}\n", ""),
      r"space.yaml:5: .*when.model.variant: can never hold; model.variant is fixed to 'share'"),
     (BASE + "objectives:\n  - {metric: acc, mode: max}\n",
-     r"space.yaml:9: objectives\[0\].metric: 'acc'; expected one of score, loss"),
+     r"space.yaml:9: objectives\[0\].metric: 'acc'; expected one of score, best_score, loss"),
     (BASE + "objectives:\n  - {metric: score, mode: up}\n", r"space.yaml:9: objectives\[0\].mode: 'up'; expected max"),
     (BASE + "  grace_period: 100\n", r"space.yaml:9: budget.grace_period: 100; expected an integer in \[1, "
                                      r"max_steps=40\]"),
@@ -209,8 +209,10 @@ def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
     searcher = make_searcher(space)
     for trial_id, steps in (("a", 40), ("b", 20)):
         searcher.suggest(trial_id)
-        for step in range(20, steps + 1, 20):
-            searcher.on_trial_result(trial_id, {"score": step / 100, "step": step, "training_iteration": step // 20})
-        searcher.on_trial_complete(trial_id, {"score": steps / 100, "step": steps})
+        for step in range(20, steps + 1, 20):  # the score peaks at step 20 (0.5), then falls
+            result = {"score": 0.7 - step / 100, "best_score": 0.5, "step": step, "training_iteration": step // 20}
+            searcher.on_trial_result(trial_id, result)
+        searcher.on_trial_complete(trial_id, result)
     states = [t.state for t in searcher._ot_study.trials]
     assert states == [TrialState.COMPLETE, TrialState.PRUNED]
+    assert searcher._ot_study.trials[0].value == 0.5  # Optuna is told the best-validation score, not the last

@@ -15,7 +15,7 @@ from typing import Any
 
 from hpsearch.tune.study import Study
 
-SUMMARY_METRICS = ("step", "score", "test_score", "extra_params", "step_time", "loss")
+SUMMARY_METRICS = ("step", "score", "best_score", "best_step", "test_score", "extra_params", "step_time", "loss")
 
 
 @dataclass
@@ -66,7 +66,7 @@ def analysis_study(study: Study, rows: list[TrialRow]):
     for row in rows:
         params, dists = row.config, space.distributions(row.config)
         attrs = {"trial_id": row.trial_id, "outcome": row.outcome}
-        values = [row.metrics.get(o.metric) for o in space.objectives]
+        values = [o.final_value(row.metrics) for o in space.objectives]
         if row.outcome == "complete" and all(_finite(v) for v in values):
             trial = create_trial(values=values, params=params, distributions=dists, user_attrs=attrs)
         elif row.outcome == "stopped" and not space.multi_objective:
@@ -89,8 +89,9 @@ def build(study: Study, result_grid, plot_dir: Path) -> Report:
     ostudy = analysis_study(study, rows)
     complete = [r for r in rows if r.outcome == "complete"]
     sign = 1 if space.primary.mode == "max" else -1
-    scored = [r for r in complete if _finite(r.metrics.get(space.primary.metric))]
-    best = max(scored, key=lambda r: sign * r.metrics[space.primary.metric]) if scored else None
+    primary = space.primary
+    scored = [r for r in complete if _finite(primary.final_value(r.metrics))]
+    best = max(scored, key=lambda r: sign * primary.final_value(r.metrics)) if scored else None
     by_id = {r.trial_id: r for r in rows}
     pareto = []
     if space.multi_objective:
@@ -108,8 +109,8 @@ def _finite(v) -> bool:
 def _targets(space):
     """(name, target) per objective: Optuna needs a target for multi-objective importances and plots."""
     if not space.multi_objective:
-        return [(space.primary.metric, None)]
-    return [(o.metric, (lambda t, i=i: t.values[i])) for i, o in enumerate(space.objectives)]
+        return [(space.primary.final_metric, None)]
+    return [(o.final_metric, (lambda t, i=i: t.values[i])) for i, o in enumerate(space.objectives)]
 
 
 def _importances(ostudy, space, notes: list[str]) -> dict[str, dict[str, float]]:
@@ -154,7 +155,8 @@ def _plots(ostudy, space, plot_dir: Path, notes: list[str]) -> dict[str, Path]:
             "importances": lambda: vis.plot_param_importances(ostudy, evaluator=FanovaImportanceEvaluator(seed=0),
                                                               **kw)}
     if space.multi_objective:
-        jobs["pareto_front"] = lambda: vis.plot_pareto_front(ostudy, target_names=[o.metric for o in space.objectives])
+        names = [o.final_metric for o in space.objectives]
+        jobs["pareto_front"] = lambda: vis.plot_pareto_front(ostudy, target_names=names)
     else:
         jobs["intermediate_values"] = lambda: vis.plot_intermediate_values(ostudy)
     saved = {}
@@ -197,7 +199,7 @@ def trials_table(report: Report):
 def pareto_table(report: Report):
     import pandas as pd
     space = report.study.space
-    return pd.DataFrame.from_records([{"trial": r.trial_id, **{o.metric: r.metrics.get(o.metric)
+    return pd.DataFrame.from_records([{"trial": r.trial_id, **{o.final_metric: o.final_value(r.metrics)
                                                                  for o in space.objectives}, **r.config}
                                       for r in report.pareto])
 
@@ -220,8 +222,9 @@ def render(report: Report, elapsed_s: float, mlflow_line: str) -> str:
              f"{counts['failed']} failed); objectives: {objectives}", ""]
     best = report.best
     if best:
-        shown = ", ".join(f"{m}={_fmt(best.metrics.get(m))}" for m in ("score", "test_score", "extra_params"))
-        lines += [f"Best trial {best.trial_id} by {space.primary.metric}: {shown}"]
+        shown = ", ".join(f"{m}={_fmt(best.metrics.get(m))}"
+                          for m in ("best_score", "best_step", "score", "test_score", "extra_params"))
+        lines += [f"Best trial {best.trial_id} by {space.primary.final_metric}: {shown}"]
         lines += [f"  {k} = {v}" for k, v in sorted(best.config.items())]
         config = Path(report.study.dir, "trials", best.trial_id, "config.yaml")
         lines += [f"  its run config: {config}", ""]
@@ -255,8 +258,10 @@ def summary(report: Report) -> tuple[dict[str, float], dict[str, str]]:
     if not report.best:
         return metrics, {}
     best = report.best
-    names = [*(o.metric for o in report.study.space.objectives), "test_score"]
-    metrics.update({f"best_{m}": best.metrics[m] for m in names if _finite(best.metrics.get(m))})
+    objectives = report.study.space.objectives
+    values = {o.metric: o.final_value(best.metrics) for o in objectives}
+    values["test_score"] = best.metrics.get("test_score")
+    metrics.update({f"best_{m}": v for m, v in values.items() if _finite(v)})
     return metrics, {"hpsearch.best_trial": best.trial_id, "hpsearch.best_config": json.dumps(best.config)}
 
 

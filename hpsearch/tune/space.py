@@ -43,6 +43,15 @@ class Objective:
     metric: str
     mode: str                           # max | min
 
+    @property
+    def final_metric(self) -> str:
+        """What a trial is ranked by at its end: the model it delivers is its best-validation checkpoint, so the
+        suite score's final value is `best_score` (ASHA still compares the current `metric` at its rungs)."""
+        return "best_score" if self.metric == "score" else self.metric
+
+    def final_value(self, metrics: dict):
+        return metrics.get(self.final_metric, metrics.get(self.metric))
+
 
 @dataclass
 class Param:

@@ -34,7 +34,7 @@ from hpsearch.tune.space import Budget, Objective, Param, Resources, Sampler, Se
 TYPES = ("categorical", "int", "uniform", "loguniform")
 PARAM_KEYS = {"categorical": ("choices",), "int": ("low", "high", "step", "log"), "uniform": ("low", "high", "step"),
               "loguniform": ("low", "high")}
-OBJECTIVE_METRICS = ("score", "loss", "extra_params", "step_time", "tokens_per_s")  # reported at every evaluation
+OBJECTIVE_METRICS = ("score", "best_score", "loss", "extra_params", "step_time", "tokens_per_s")  # every evaluation
 TASK_SCORE = re.compile(r"task/([^/]+)/score")
 # budget/resources keys that are really run-config fields (one place in the file for each)
 ALIASES = {"budget.max_steps": "train.max_steps", "budget.eval_every": "train.eval_every",

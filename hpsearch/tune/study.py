@@ -127,7 +127,7 @@ def make_searcher(space: SearchSpace):
         sampler = optuna.samplers.TPESampler(seed=space.sampler.seed, n_startup_trials=space.sampler.n_startup_trials,
                                              multivariate=space.sampler.multivariate,
                                              group=space.sampler.multivariate)
-    metric = [o.metric for o in objectives] if space.multi_objective else space.primary.metric
+    metric = [o.final_metric for o in objectives] if space.multi_objective else space.primary.final_metric
     mode = [o.mode for o in objectives] if space.multi_objective else space.primary.mode
     return BudgetAwareOptunaSearch(space=space.define_by_run(), metric=metric, mode=mode, sampler=sampler,
                                    points_to_evaluate=copy.deepcopy(space.points_to_evaluate) or None,
