@@ -71,8 +71,9 @@ def test_metric_names_per_task():
     assert get_task("cola").metrics == ("matthews_corr",)
     assert set(get_task("mrpc").metrics) == set(get_task("qqp").metrics) == {"f1", "accuracy"}
     assert set(get_task("stsb").metrics) == {"pearson", "spearman"}
-    for task in ["rte", "cb", "sst2", "qnli", "mnli", "boolq", "wic", "wsc", "copa", "scitail"]:
+    for task in ["rte", "sst2", "qnli", "mnli", "boolq", "wic", "wsc", "copa", "scitail"]:
         assert get_task(task).metrics == ("accuracy",)
+    assert get_task("cb").metrics == ("accuracy", "macro_f1")  # SuperGLUE's CB score
 
 
 def test_accuracy_by_hand():
@@ -89,6 +90,14 @@ def test_f1_and_accuracy_by_hand():
     assert scores["f1"] == pytest.approx(100 * 4 / 6)
     assert scores["accuracy"] == pytest.approx(60.0)
     assert scores["score"] == pytest.approx((100 * 4 / 6 + 60) / 2)
+
+
+def test_cb_is_mean_of_accuracy_and_macro_f1_by_hand():
+    # truth 0 1 2 0, predicted 0 1 1 2: F1 per class 2/3 (P 1, R 1/2), 2/3 (P 1/2, R 1), 0 -> macro 4/9; accuracy 1/2
+    scores = score_task("cb", ["entailment", "contradiction", "contradiction", "neutral"], examples("cb", [0, 1, 2, 0]))
+    assert scores["macro_f1"] == pytest.approx(100 * 4 / 9)
+    assert scores["accuracy"] == pytest.approx(50.0)
+    assert scores["score"] == pytest.approx((50 + 400 / 9) / 2)
 
 
 def test_matthews_by_hand():

@@ -32,6 +32,7 @@ def _correlation(fn, y_true, y_pred) -> float:
 METRICS = {
     "accuracy": lambda t, p: skm.accuracy_score(t, p),
     "f1": lambda t, p: skm.f1_score(t, p, pos_label=1, zero_division=0.0),
+    "macro_f1": lambda t, p: skm.f1_score(t, p, average="macro", zero_division=0.0),
     "matthews_corr": lambda t, p: skm.matthews_corrcoef(t, p),
     "pearson": lambda t, p: _correlation(stats.pearsonr, t, p),
     "spearman": lambda t, p: _correlation(stats.spearmanr, t, p),

@@ -21,8 +21,8 @@ def _glue(name, fields, labels, metrics, train, **kw) -> TaskSpec:
     return TaskSpec(name, fields, metrics, labels, official_train=train, hub=(_GLUE, name), **kw)
 
 
-def _superglue(name, fields, labels, train, config=None) -> TaskSpec:
-    return TaskSpec(name, fields, _ACC, labels, official_train=train, hub=(_SUPERGLUE, config or name))
+def _superglue(name, fields, labels, train, config=None, metrics=_ACC) -> TaskSpec:
+    return TaskSpec(name, fields, metrics, labels, official_train=train, hub=(_SUPERGLUE, config or name))
 
 
 GLUE_TASKS: dict[str, TaskSpec] = {t.name: t for t in [
@@ -37,7 +37,8 @@ GLUE_TASKS: dict[str, TaskSpec] = {t.name: t for t in [
     _glue("qnli", ("question", "sentence"), _NLI2, _ACC, 104743),
     _glue("rte", ("sentence1", "sentence2"), _NLI2, _ACC, 2490),
     _superglue("boolq", ("question", "passage"), _NO_YES, 9427),
-    _superglue("cb", ("premise", "hypothesis"), ("entailment", "contradiction", "neutral"), 250),
+    _superglue("cb", ("premise", "hypothesis"), ("entailment", "contradiction", "neutral"), 250,
+               metrics=("accuracy", "macro_f1")),  # SuperGLUE's CB score: the mean of accuracy and macro-F1
     _superglue("copa", ("premise", "question", "choice1", "choice2"), ("choice1", "choice2"), 400),
     _superglue("wic", ("word", "sentence1", "sentence2"), _NO_YES, 5428),
     _superglue("wsc", ("text", "span1_text", "span2_text"), _NO_YES, 554, config="wsc.fixed"),
