@@ -1,10 +1,18 @@
 """Shared command-line plumbing: user errors become one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
 from hpsearch.errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (usage stays with --help): `error: <prog>: <what>; see --help`."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message}; see --help")
 
 
 def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:

@@ -175,11 +175,21 @@ def read_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        node = yaml.compose(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#x}); save the file as UTF-8") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text) or {}  # refuses tags such as !!python/object (never constructs them)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: malformed YAML ({getattr(e, 'problem', e)})") from None
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise ConfigError(f"{path}{line}: malformed YAML ({problem})") from None
     if node is None:
         return {}, {}
     if not isinstance(node, yaml.MappingNode):
@@ -190,11 +200,13 @@ def read_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
         if isinstance(n, yaml.MappingNode):
             for k, v in n.value:
                 key = f"{prefix}{k.value}"
+                if key in lines:  # YAML would keep the last silently
+                    raise ConfigError(f"{path}:{k.start_mark.line + 1}: {key!r} is given twice (first on line "
+                                      f"{lines[key]}); give it once")
                 lines[key] = k.start_mark.line + 1
                 walk(v, key + ".")
 
     walk(node, "")
-    data = yaml.safe_load(path.read_text()) or {}
     return data, lines
 
 

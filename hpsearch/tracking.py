@@ -33,17 +33,61 @@ TUNE_KEYS = {"timestamp", "pid", "training_iteration", "time_this_iter_s", "time
 
 
 def resolve_tracking_uri(uri: str) -> str:
-    """An absolute sqlite URI (trials and the UI then find the same file from any directory); http(s) as is."""
+    """An absolute sqlite URI (trials and the UI then find the same file from any directory); http(s) as is.
+    A folder that cannot hold the database, or a server that does not answer, is a one-line ConfigError."""
     if uri.startswith("sqlite:///"):
         path = uri.removeprefix("sqlite:///")
         if not path.startswith("/"):  # sqlite:///relative.db; sqlite:////absolute.db
             path = str(Path(path).resolve())
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(path).parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--tracking-uri {uri}: cannot create {folder} ({e.strerror})") from None
+        if not os.access(folder, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(f"--tracking-uri {uri}: {path} is not writable")
         return f"sqlite:///{path}"
-    if uri.startswith(("http://", "https://", "databricks")):
+    if uri.startswith(("http://", "https://")):
+        check_server(uri)
+        return uri
+    if uri.startswith("databricks"):
         return uri
     raise ConfigError(f"--tracking-uri: {uri!r}; expected sqlite:///path/to/mlflow.db or http(s)://host:port "
                       "(MLflow's file store is not supported)")
+
+
+def check_server(uri: str, timeout: float = 5.0) -> None:
+    """One request to the MLflow server's health endpoint; no answer is a one-line ConfigError (no retries)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout) as response:
+            response.read(64)
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):  # a server that wants credentials (MLFLOW_TRACKING_TOKEN etc.): it is there
+            return
+        raise ConfigError(f"--tracking-uri {uri}: not an MLflow server (HTTP {e.code} from /health)") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(f"--tracking-uri {uri}: no MLflow server answers ({reason}); start one (mlflow server "
+                          "--host 127.0.0.1 --port PORT) or use sqlite:///path/mlflow.db") from None
+
+
+def open_store(uri: str) -> None:
+    """Create (and migrate) a sqlite store once, under a file lock: two studies starting together on a new file
+    would otherwise both run MLflow's schema migration and one would fail."""
+    if not uri.startswith("sqlite:///"):
+        return
+    import fcntl
+
+    path = Path(uri.removeprefix("sqlite:///"))
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _client(uri).search_experiments(max_results=1)  # builds the tables or checks their version
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def ui_command(tracking_uri: str) -> str:
@@ -105,6 +149,7 @@ class StudyRun:
     @classmethod
     def create(cls, tracking_uri: str, study: str, *, space_path: str, space_text: str, command: str,
                params: dict[str, Any], description: str = "") -> StudyRun:
+        open_store(tracking_uri)
         client = _client(tracking_uri)
         experiment = client.get_experiment_by_name(study)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(study)
@@ -121,6 +166,7 @@ class StudyRun:
 
     @classmethod
     def reopen(cls, tracking_uri: str, run_id: str, command: str) -> StudyRun:
+        open_store(tracking_uri)
         client = _client(tracking_uri)
         try:
             run = client.get_run(run_id)
@@ -146,6 +192,12 @@ class StudyRun:
             self.client.log_artifacts(self.run_id, str(folder), "report/plots")
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the study's run and any trial run still marked RUNNING (an interrupted or crashed study's trials:
+        `--resume` reopens them) with `status`."""
+        running = self.client.search_runs([self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.run_id}' and "
+                                          "attributes.status = 'RUNNING'")
+        for run in running:
+            self.client.set_terminated(run.info.run_id, status="KILLED" if status == "FINISHED" else status)
         self.client.set_terminated(self.run_id, status=status)
 
 

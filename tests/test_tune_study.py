@@ -85,14 +85,14 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
 
 
-def wait_for(predicate, timeout, proc):
+def wait_for(predicate, timeout, proc, poll=2.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             return False
         if predicate():
             return True
-        time.sleep(2)
+        time.sleep(poll)
     return False
 
 
@@ -122,6 +122,7 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
     assert "--resume" in err
     client, parents, before = study_runs(tmp_path, "resume")
     assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    assert not [c for c in before if c.info.status == "RUNNING"]  # the interrupted trial's run is ended too
     done_before = {c.data.tags["hpsearch.trial_id"]: c for c in before if c.info.status == "FINISHED"}
     assert done_before and len(before) < 3 + 1
 
@@ -145,3 +146,44 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
     experiment_dirs = [p for p in (tmp_path / "runs" / "resume").iterdir() if p.name.startswith("trial_")]
     assert len(experiment_dirs) == 3
     assert os.path.isfile(tmp_path / "runs" / "resume" / "hpsearch-study.json")
+
+
+@pytest.mark.slow
+def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path):
+    """SIGKILL the study's driver (and its Ray) as soon as a trial's final result reached it (its MLflow run has
+    the test score), before Tune saved that result: after --resume the trial counts as complete with its score,
+    is not trained again, and MLflow holds one parent and one child per trial, none left RUNNING."""
+    args = tune_cmd(tmp_path, "kill", "--num-samples", "2", *SHORT, "resources.max_concurrent=1")
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+    def final_logged():
+        try:
+            return any("test_score" in c.data.metrics for c in study_runs(tmp_path, "kill")[2])
+        except Exception:  # the store or the experiment is not there yet
+            return False
+    try:
+        assert wait_for(final_logged, 600, proc, poll=0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, at once
+        proc.communicate(timeout=60)
+    exports = tmp_path / "runs" / "kill" / "trials"
+    (first,) = [p.parent.parent for p in exports.glob("*/task_params/task_params.safetensors")]
+    exported = (first / "model" / "model.safetensors").stat().st_mtime_ns
+
+    out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "kill", "--storage-path",
+                          str(tmp_path / "runs"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client, parents, children = study_runs(tmp_path, "kill")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    by_id = {c.data.tags["hpsearch.trial_id"]: c for c in children}
+    done = by_id[first.name]
+    assert done.data.tags["hpsearch.outcome"] == "complete"
+    assert "test_score" in done.data.metrics and "best_score" in done.data.metrics
+    assert steps(client, done.info.run_id) == [10, 20]  # every evaluation once
+    assert (first / "model" / "model.safetensors").stat().st_mtime_ns == exported  # not trained again
+    complete = sum(c.data.tags["hpsearch.outcome"] == "complete" for c in children)
+    assert parents[0].data.metrics["trials_complete"] == complete
+    assert "Best trial" in out.stdout

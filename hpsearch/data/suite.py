@@ -8,6 +8,7 @@ from hpsearch.data.protocol import apply_protocol, cap_rows
 from hpsearch.data.sources import load_raw, resolve_tasks
 from hpsearch.data.spec import Example, TaskSpec
 from hpsearch.data.tasks import get_task
+from hpsearch.errors import DataError
 
 SPLITS = ("train", "validation", "test")
 
@@ -72,5 +73,8 @@ def load_suite(cfg: DataConfig) -> Suite:
             if len(capped) < len(splits[split]):
                 notes.append(f"{split} capped to {len(capped)} of {len(splits[split])} rows")
             splits[split] = capped
+        if not splits["train"]:  # caught here, before any worker samples from it
+            where = f"{cfg.source}/{task}/train.jsonl" if cfg.source not in ("synthetic", "hub") else cfg.source
+            raise DataError(f"data.tasks: {task} has no training rows ({where}); every task needs a training split")
         data[task] = TaskData(spec, splits, protocol, notes)
     return Suite(cfg.source, data)

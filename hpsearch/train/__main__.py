@@ -1,14 +1,13 @@
 """`python -m hpsearch.train`: train one configuration (see hpsearch/train/__init__.py)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from hpsearch.cli import run_main
+from hpsearch.cli import Parser, run_main
 from hpsearch.config import absolute_paths, load_config
 from hpsearch.errors import UserError
 from hpsearch.train import __doc__ as DOC
@@ -19,7 +18,7 @@ from hpsearch.train.sessions import LocalSession
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpsearch.train", description=DOC.splitlines()[0])
+    parser = Parser(prog="python -m hpsearch.train", description=DOC.splitlines()[0])
     parser.add_argument("--config", help="run config YAML (sections model, data, train)")
     parser.add_argument("--local", action="store_true", help="run the loop in this process, without Ray")
     parser.add_argument("--resume-from", help="a checkpoint directory to resume from")

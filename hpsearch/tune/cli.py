@@ -10,6 +10,7 @@ validated before Ray starts; a mistake is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import shutil
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpsearch.cli import Parser
 from hpsearch.config import absolute_paths, read_yaml
 from hpsearch.errors import ConfigError
 from hpsearch.tune.spacefile import load_space
@@ -27,7 +29,7 @@ INTERRUPTED = 130
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpsearch.tune", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m hpsearch.tune", description=__doc__.splitlines()[0])
     p.add_argument("--space", help=f"search space YAML (default: {DEFAULT_SPACE.parent.name}/default.yaml)")
     p.add_argument("--name", help="study name (default: the space's `name`); also the MLflow experiment")
     p.add_argument("--num-samples", type=int, help="number of trials (the space's budget.trials)")
@@ -59,6 +61,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
                               "them (the study keeps its own) or start a new --name")
         if uri and uri != state["tracking_uri"]:
             raise ConfigError(f"--tracking-uri: the study tracks to {state['tracking_uri']}; drop --tracking-uri")
+        resolve_tracking_uri(state["tracking_uri"])  # still reachable and writable
         space = load_space(study_dir / SPACE_COPY, state["overrides"])
     else:
         space = load_space(space_path, overrides)
@@ -71,6 +74,10 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
                  "overrides": overrides, "tracking_uri": uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)}
     absolute_paths(space.config)
     _check_data(space.config)
+    _check_backbone(space.config)
+    _check_storage(study_dir)
+    if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
+        _check_fits(space, local_resources())
     return Study(name, study_dir, space), state
 
 
@@ -115,6 +122,45 @@ def _check_data(cfg) -> None:
     load_suite(cfg.data)
 
 
+def _check_backbone(cfg) -> None:
+    """A local checkpoint directory must hold a T5 config (a hub id is left to the trials: it downloads)."""
+    if Path(cfg.model.backbone).is_dir():
+        from hpsearch.model import backbone_config
+        backbone_config(cfg.model.backbone)
+
+
+def _check_storage(study_dir: Path) -> None:
+    """The storage path must be creatable and writable here (a local path; s3:// and gs:// are Ray's)."""
+    root = study_dir.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--storage-path {root}: cannot create it ({e.strerror})") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError(f"--storage-path {root}: not writable by this user")
+
+
+def local_resources() -> dict[str, float]:
+    """What a private local Ray offers: this machine's CPUs and CUDA devices."""
+    import torch
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+
+
+def _check_fits(space, cluster: dict[str, float]) -> None:
+    """A trial that can never be placed would wait forever: say so before Ray starts."""
+    from hpsearch.tune.study import trial_resources
+
+    t = space.config.train
+    for kind, need in trial_resources(space).items():
+        have = cluster.get(kind, 0.0)
+        if need > have + 1e-9:
+            per_worker = t.cpus_per_worker if kind == "CPU" else t.gpus_per_worker
+            extra = f" + {space.resources.trial_cpus} for the trial's driver" if kind == "CPU" else ""
+            raise ConfigError(f"resources: one trial needs {need:g} {kind} ({t.num_workers} workers x {per_worker:g}"
+                              f"{extra}) but this machine has {have:g}; lower resources.workers or "
+                              f"resources.{'cpus' if kind == 'CPU' else 'gpus'}_per_worker")
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     study, state = prepare(args)
@@ -122,10 +168,9 @@ def main(argv: list[str]) -> int:
 
     import ray.tune
 
-    from hpsearch.tracking import StudyRun, TrialRuns, ui_command
+    from hpsearch.tracking import StudyRun, TrialRuns
     from hpsearch.train import init_ray
-    from hpsearch.tune import report as reporting
-    from hpsearch.tune.study import concurrency, fit, make_tuner, restore_tuner, unfinished
+    from hpsearch.tune.study import concurrency, make_tuner, restore_tuner
 
     space = study.space
     if args.resume:
@@ -147,10 +192,22 @@ def main(argv: list[str]) -> int:
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
                                study.trial_config, study.outcome)
         tuner = make_tuner(study, [trial_runs], max_concurrent)
+    try:
+        return _run(study, parent, tuner)
+    except KeyboardInterrupt:  # a second Ctrl-C: the study's runs are not left RUNNING
+        parent.finish("KILLED")
+        raise
+    except BaseException:  # the driver crashed
+        parent.finish("FAILED")
+        raise
+
+
+def _run(study: Study, parent, tuner) -> int:
+    from hpsearch.tune.study import fit, unfinished
+
     started = time.time()
     result_grid = fit(tuner)
     elapsed = time.time() - started
-
     left = unfinished(study)
     if left:
         parent.finish("KILLED")
@@ -158,6 +215,12 @@ def main(argv: list[str]) -> int:
                              str(study.storage_path), "--resume"])
         print(f"[hpsearch.tune] interrupted with {left} trial(s) to go; continue with: {resume}", file=sys.stderr)
         return INTERRUPTED
+    return _report(study, parent, result_grid, elapsed)
+
+
+def _report(study: Study, parent, result_grid, elapsed: float) -> int:
+    from hpsearch.tracking import ui_command
+    from hpsearch.tune import report as reporting
 
     report_dir = study.dir / "report"
     shutil.rmtree(report_dir, ignore_errors=True)

@@ -21,6 +21,7 @@ from hpsearch.errors import UserError
 from hpsearch.tune.space import SearchSpace
 
 STATE_FILE, SPACE_COPY = "hpsearch-study.json", "space.yaml"
+STATE_KEYS = ("name", "space_text", "overrides", "tracking_uri", "parent_run_id")
 
 
 class TrialFailed(RuntimeError):
@@ -65,7 +66,16 @@ def load_state(study_dir: Path) -> dict:
     if not path.is_file():
         raise UserError(f"--resume: no study '{study_dir.name}' in {study_dir.parent} ({STATE_FILE} missing); "
                         "start it without --resume")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--resume: {path} is corrupt or incomplete ({e}); the study cannot be resumed, start a new "
+                        "--name") from None
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise UserError(f"--resume: {path} is incomplete (no {', '.join(missing)}); the study cannot be resumed, "
+                        "start a new --name")
+    return state
 
 
 # ---- one trial (runs in a Tune actor) -----------------------------------------------------------------------------
