@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +32,13 @@ PARENT_TAG = "mlflow.parentRunId"
 # Tune's bookkeeping in every result: not metrics of the model
 TUNE_KEYS = {"timestamp", "pid", "training_iteration", "time_this_iter_s", "time_since_restore",
              "iterations_since_restore", "done", "time_total_s"}
+NOT_METRICS = {"step", "final", "best_step"}  # MLflow's own step axis, a flag, a step: not values to chart
+EXPERIMENT_PREFIX = "hpsearch/"  # beside MLflow's own `Default`: studies are hpsearch/<name>
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI opens on runs, not GenAI traces
+
+
+def experiment_name(study: str) -> str:
+    return f"{EXPERIMENT_PREFIX}{study}"
 
 
 def resolve_tracking_uri(uri: str) -> str:
@@ -80,7 +89,10 @@ def open_store(uri: str) -> None:
     if not uri.startswith("sqlite:///"):
         return
     import fcntl
+    import logging
 
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
+        logging.getLogger(name).setLevel(logging.WARNING)
     path = Path(uri.removeprefix("sqlite:///"))
     with open(f"{path}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -91,8 +103,9 @@ def open_store(uri: str) -> None:
 
 
 def ui_command(tracking_uri: str) -> str:
-    if tracking_uri.startswith("sqlite:"):
-        return f"mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
+    if tracking_uri.startswith("sqlite:"):  # this interpreter's mlflow: works without the venv on PATH
+        mlflow = f"{shlex.quote(sys.executable)} -m mlflow"
+        return f"{mlflow} ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
     return f"open {tracking_uri} in a browser"
 
 
@@ -120,7 +133,7 @@ def _metrics(values: dict[str, Any], step: int):
     from mlflow.entities import Metric
     now = int(time.time() * 1000)
     return [Metric(k, float(v), now, step) for k, v in values.items()
-            if k not in TUNE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if k not in TUNE_KEYS and k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def _log_batches(client, run_id: str, metrics=(), params=()) -> None:
@@ -151,8 +164,9 @@ class StudyRun:
                params: dict[str, Any], description: str = "") -> StudyRun:
         open_store(tracking_uri)
         client = _client(tracking_uri)
-        experiment = client.get_experiment_by_name(study)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(study)
+        experiment = client.get_experiment_by_name(experiment_name(study))
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+            experiment_name(study), tags=EXPERIMENT_TAGS)
         commit = git_commit()
         run = client.create_run(experiment_id, run_name=study, tags={
             STUDY_TAG: study, ROLE_TAG: "study", "mlflow.source.git.commit": commit, "hpsearch.command": command,
@@ -234,7 +248,8 @@ class TrialRuns(LoggerCallback):
             [self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.parent_run_id}' and tags.`{TRIAL_TAG}` = '{tid}'")
         if found:
             run = found[0]
-            self._last[tid] = (int(run.data.metrics.get("step", -1)), "test_score" in run.data.metrics)
+            history = self.client.get_metric_history(run.info.run_id, "loss")  # logged at every evaluation
+            self._last[tid] = (max((m.step for m in history), default=-1), "test_score" in run.data.metrics)
             self.client.update_run(run.info.run_id, status="RUNNING")
         else:
             run = self._create(trial)

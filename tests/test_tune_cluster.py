@@ -91,7 +91,7 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
     assert json.loads((out / "ui.json").read_text())["experiment"]["name"] == "job", logs["ui.log"]
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("job").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("hpsearch/job").experiment_id])
     parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
     children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]
     assert len(parents) == 1 and len(children) == 1 and parents[0].info.status == "FINISHED"

@@ -101,3 +101,21 @@ def test_failure_reason_is_the_non_finite_loss_line():
                            "hpsearch.train.NonFiniteLoss: non-finite loss (nan) at step 7: stopping the run\n")
     assert failure_reason(wrapped) == "non-finite loss (nan) at step 7: stopping the run"
     assert failure_reason(RuntimeError("a\nworker died")) == "worker died"
+
+
+def test_no_importance_plot_when_the_report_says_none(tmp_path, monkeypatch):
+    one = [r for r in rows() if r.trial_id in ("a", "e", "f")]  # one complete trial: importances cannot be computed
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
+    monkeypatch.setattr(report, "collect", lambda study, grid: one)
+    built = report.build(study, None, tmp_path / "plots")
+    assert built.importances == {} and any("need at least 2 trials" in n for n in built.notes)
+    assert "importances" not in built.plots and not (tmp_path / "plots" / "importances.png").exists()
+    text = report.render(built, 1.0, "MLflow: x")
+    assert "Hyperparameter importances" not in text
+
+
+def test_importances_from_few_trials_are_caveated(tmp_path, monkeypatch):
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
+    monkeypatch.setattr(report, "collect", lambda study, grid: rows())
+    built = report.build(study, None, tmp_path / "plots")
+    assert any("from only 4 trials" in n and "indicative" in n for n in built.notes)

@@ -22,7 +22,7 @@ def tune_cmd(tmp_path, name, *args):
 
 def study_runs(tmp_path, name):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    experiment = client.get_experiment_by_name(name)
+    experiment = client.get_experiment_by_name(f"hpsearch/{name}")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
     children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]
@@ -33,7 +33,7 @@ def artifacts(client, run_id, path=None):
     return {a.path for a in client.list_artifacts(run_id, path)}
 
 
-def steps(client, run_id, key="step"):
+def steps(client, run_id, key="loss"):
     return [m.step for m in client.get_metric_history(run_id, key)]
 
 
@@ -43,6 +43,15 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "1 at a time" in out.stdout
+    # the console: one line per trial event, no Tune table, no worker output, the report last
+    console = out.stdout + out.stderr
+    assert "TrainingReport(" not in console and "== Status ==" not in console and "built successfully" not in console
+    assert "A new study created" not in console and "Tuner.restore" not in console
+    events = [ln for ln in out.stdout.splitlines() if ln.startswith("[hpsearch.tune] ")]
+    assert len(events) == len(set(events))  # nothing printed twice
+    assert sum(" started (" in ln for ln in events) == 3 and sum("study: " in ln for ln in events) == 3
+    assert out.stdout.rstrip().splitlines()[-1].startswith("MLflow: ")  # nothing after the final report
+    assert len(out.stdout.splitlines()) + len(out.stderr.splitlines()) < 80
     for text in ("Best trial", "All trials:", "Pareto front", "Hyperparameter importances",
                  f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db --host 127.0.0.1"):
         assert text in out.stdout

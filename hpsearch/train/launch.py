@@ -29,7 +29,7 @@ def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
-def init_ray(cfg: RunConfig) -> None:
+def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
     """Join the cluster named by RAY_ADDRESS (set for a job by `ray job submit`), else start a private local Ray
     (never another Ray found on this machine) with its dashboard on 127.0.0.1.
 
@@ -42,12 +42,14 @@ def init_ray(cfg: RunConfig) -> None:
     env = runtime_env_vars(cfg)
     if os.environ.get("RAY_ADDRESS"):
         env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"]
-        ray.init(include_dashboard=True, runtime_env={"env_vars": env})
+        ray.init(include_dashboard=True, runtime_env={"env_vars": env}, log_to_driver=log_to_driver,
+                 logging_level="WARNING")
         return
     port = free_port()
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})  # every service on loopback
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env},  # every service on loopback
+             log_to_driver=log_to_driver, logging_level="WARNING")
 
 
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None):

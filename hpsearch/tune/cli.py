@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
         state.update(parent_run_id=parent.run_id, command=command)
         study.save_state(state)
 
-    init_ray(space.config)
+    init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
     max_concurrent = concurrency(space, ray.cluster_resources())
     print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
           f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from hpsearch.tune.study import Study
 
+FEW_TRIALS = 10  # complete trials below which importances are caveated
 SUMMARY_METRICS = ("step", "score", "best_score", "best_step", "test_score", "extra_params", "step_time", "loss")
 
 
@@ -125,6 +126,9 @@ def _importances(ostudy, space, notes: list[str]) -> dict[str, dict[str, float]]
     if n < 2:
         notes.append(f"importances: need at least 2 trials that ran the whole budget, have {n}")
         return {}
+    if n < FEW_TRIALS:
+        notes.append(f"importances: from only {n} trials that ran the whole budget; indicative at best "
+                     f"(below {FEW_TRIALS} they mostly reflect which values happened to be drawn)")
     out = {}
     # variance-based, so the same for a maximised and a minimised target (PED-ANOVA's top quantile is not)
     evaluators = {"fANOVA": lambda: FanovaImportanceEvaluator(seed=0),
@@ -149,11 +153,14 @@ def _plots(ostudy, space, plot_dir: Path, notes: list[str]) -> dict[str, Path]:
 
     plot_dir.mkdir(parents=True, exist_ok=True)
     name, target = _targets(space)[0]
+    valid_importances = not any(n.startswith("importances: need") for n in notes)
     kw = {"target": target, "target_name": name} if target else {"target_name": name}
     jobs = {"optimization_history": lambda: vis.plot_optimization_history(ostudy, **kw),
             "parallel_coordinates": lambda: vis.plot_parallel_coordinate(ostudy, **kw),
             "importances": lambda: vis.plot_param_importances(ostudy, evaluator=FanovaImportanceEvaluator(seed=0),
                                                               **kw)}
+    if not valid_importances:  # never a plot the report calls invalid
+        del jobs["importances"]
     if space.multi_objective:
         names = [o.final_metric for o in space.objectives]
         jobs["pareto_front"] = lambda: vis.plot_pareto_front(ostudy, target_names=names)

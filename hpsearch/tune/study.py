@@ -131,6 +131,8 @@ def make_searcher(space: SearchSpace):
 
     from hpsearch.tune.searcher import BudgetAwareOptunaSearch
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory ..."
+
     objectives = space.objectives
     with warnings.catch_warnings():  # multivariate and group are "experimental" in Optuna (and recommended)
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -154,6 +156,8 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     import ray.tune
     from ray.tune.schedulers import ASHAScheduler
 
+    from hpsearch.tune.progress import TrialEvents
+
     space = study.space
     primary = space.primary
     scheduler = ASHAScheduler(time_attr="step", metric=primary.metric, mode=primary.mode,
@@ -162,13 +166,12 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     tune_config = ray.tune.TuneConfig(search_alg=make_searcher(space), scheduler=scheduler,
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
                                       time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname)
-    params = {p.name: p.name.split(".", 1)[1] for p in space.params}
-    metrics = {"step": "step", primary.metric: primary.metric, **{o.metric: o.metric for o in space.objectives}}
-    # no metric/mode: its "current best" line would show truncated scores and fails on a conditional field
-    reporter = ray.tune.CLIReporter(parameter_columns=params, metric_columns=metrics, max_report_frequency=30)
-    run_config = ray.tune.RunConfig(name=study.name, storage_path=str(study.storage_path), callbacks=callbacks,
+    events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
+    # the console: our one line per trial event instead of Tune's status table (verbose=0)
+    run_config = ray.tune.RunConfig(name=study.name, storage_path=str(study.storage_path),
+                                    callbacks=[*callbacks, events],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
-                                    progress_reporter=reporter, verbose=1)
+                                    verbose=0)
     return ray.tune.Tuner(trainable(study), tune_config=tune_config, run_config=run_config)
 
 
@@ -179,7 +182,10 @@ def restore_tuner(study: Study):
 
 def fit(tuner):
     """Run the trials; Ctrl-C (SIGINT) stops them cleanly and keeps the state for `--resume`."""
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic reporter honours our CLIReporter's columns
+    import logging
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic (quiet at verbose=0) output
+    for name in ("ray.tune", "ray.train", "ray.air"):  # their hints (e.g. `Tuner.restore(...)`): ours is printed
+        logging.getLogger(name).setLevel(logging.ERROR)
     return tuner.fit()
 
 

@@ -1,0 +1,29 @@
+"""The MLflow store: two studies starting together on a new sqlite file both get their parent run."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from mlflow import MlflowClient
+
+CREATE = """
+import sys
+from hpsearch.tracking import StudyRun
+run = StudyRun.create(sys.argv[1], sys.argv[2], space_path="space.yaml", space_text="name: x\\n", command="c",
+                      params={"trials": 1})
+run.finish()
+"""
+
+
+def test_two_studies_on_a_new_sqlite_file(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-c", CREATE, uri, name], stderr=subprocess.PIPE, text=True)
+             for name in ("one", "two")]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for e in errors]
+    client = MlflowClient(uri)
+    for name in ("one", "two"):
+        experiment = client.get_experiment_by_name(f"hpsearch/{name}")  # beside MLflow's own Default
+        assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on runs
+        (run,) = client.search_runs([experiment.experiment_id])
+        assert run.info.status == "FINISHED"
