@@ -69,7 +69,7 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
         ui_pid=$!
         python - <<'EOF' > {out}/ui.json 2>> {out}/ui.log
         import json, time, urllib.request
-        url = "http://127.0.0.1:{ui}/api/2.0/mlflow/experiments/get-by-name?experiment_name=job"
+        url = "http://127.0.0.1:{ui}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hpsearch%2Fjob"
         for _ in range(90):
             try:
                 print(urllib.request.urlopen(url, timeout=5).read().decode()); break
@@ -88,7 +88,7 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
     codes = dict(line.split("=") for line in (out / "codes").read_text().split())
     assert codes == {"start": "0", "submit": "0", "stop": "0"}, (codes, logs, done.stderr[-2000:])
     assert "succeeded" in logs["job.log"], logs["job.log"]
-    assert json.loads((out / "ui.json").read_text())["experiment"]["name"] == "job", logs["ui.log"]
+    assert json.loads((out / "ui.json").read_text())["experiment"]["name"] == "hpsearch/job", logs["ui.log"]
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("hpsearch/job").experiment_id])
