@@ -66,6 +66,9 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert (tmp_path / "full" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "full" / "task_params" / "task_params.safetensors").is_file()
     assert (tmp_path / "full" / "config.yaml").is_file()
+    # the yardstick beside the score: majority class and chance on the same splits (here: the synthetic suite)
+    assert 0 < full["majority_score"] < 100 and 0 < full["test_majority_score"] < 100
+    assert full["chance_score"] < full["majority_score"]
     # resume from the step-20 checkpoint of the same run: the second half must repeat exactly
     resumed = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/resumed",
                                    "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20")))

@@ -119,3 +119,23 @@ def test_importances_from_few_trials_are_caveated(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "collect", lambda study, grid: rows())
     built = report.build(study, None, tmp_path / "plots")
     assert any("from only 4 trials" in n and "indicative" in n for n in built.notes)
+
+
+def test_yardsticks_flag_trials_below_majority_and_ties(tmp_path, monkeypatch):
+    tied = rows()
+    for r in tied:
+        r.metrics.update(majority_score=61.0, chance_score=40.0, test_majority_score=60.0, test_chance_score=41.0,
+                         test_score=59.0, **{f"task/t{i}/rows": 50.0 for i in range(2)})
+        r.metrics.setdefault("best_score", r.metrics.get("score"))
+    tied[1].metrics["best_score"] = 62.5  # b leads d (62.0) by 0.5 < one example's worth: 100 / (2 x 50) = 1.0
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
+    monkeypatch.setattr(report, "collect", lambda study, grid: tied)
+    built = report.build(study, None, tmp_path / "plots")
+    text = report.render(built, 1.0, "MLflow: x")
+    assert "validation: 62.5 vs majority class 61.0, chance 40.0 (beats always predicting" in text
+    assert "test: 59.0 vs majority class 60.0, chance 41.0 (DOES NOT beat" in text
+    assert "a tie: the best leads the next trial by 0.50 points" in text
+    flags = dict(zip(report.trials_table(built)["trial"], report.trials_table(built)["beats_majority"]))
+    assert flags["a"] is False and flags["b"] is True and flags["c"] is False  # 60, 62.5, 55 vs 61
+    metrics, _ = report.summary(built)
+    assert metrics["majority_score"] == 61.0 and metrics["test_majority_score"] == 60.0

@@ -46,10 +46,29 @@ def main(argv: list[str]) -> int:
     else:
         metrics = run_with_ray(cfg, args.resume_from)
     tasks = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("task/") and k.endswith("/score")}
-    keys = ("step", "loss", "score", "best_score", "best_step", "test_score", "output_dir", "extra_params")
+    keys = ("step", "loss", "score", "best_score", "best_step", "test_score", "majority_score", "chance_score",
+            "test_majority_score", "test_chance_score", "output_dir", "extra_params")
     summary = {**{k: metrics.get(k) for k in keys}, "tasks": tasks}
+    for t in tasks:  # the yardstick beside each score, on stderr: the last stdout line is the JSON
+        print(f"[hpsearch.train] {t}: validation {_pct(metrics, 'task', t)} | test {_pct(metrics, 'test', t)}",
+              file=sys.stderr)
+    if _finite(metrics.get("test_score")) and _finite(metrics.get("test_majority_score")) and \
+            metrics["test_score"] <= metrics["test_majority_score"]:
+        print(f"[hpsearch.train] warning: test score {metrics['test_score']:.1f} does not beat always predicting "
+              f"the majority class ({metrics['test_majority_score']:.1f})", file=sys.stderr)
     print(json.dumps(summary))
     return 0
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
+
+
+def _pct(metrics: dict, tag: str, task: str) -> str:
+    score, majority, rows = (metrics.get(f"{tag}/{task}/{k}") for k in ("score", "majority", "rows"))
+    if score is None:
+        return "-"
+    return f"{score:.1f} (majority {majority:.1f}, {int(rows)} rows)" if majority is not None else f"{score:.1f}"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ class Evaluator:
     def __init__(self, engine, suite, tokenizer, cfg, rank, world, device):
         self.engine, self.suite, self.tok, self.cfg = engine, suite, tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
+        self._yardsticks: dict[str, dict] = {}
+
+    def yardsticks(self, split: str, prefix: str) -> dict[str, float]:
+        """Majority-class and chance scores on the split, and its row counts (computed once per split)."""
+        from hpsearch.data.baselines import baselines, flat_metrics
+        if split not in self._yardsticks:
+            self._yardsticks[split] = flat_metrics(baselines(self.suite, split), f"{prefix}_" if prefix else "")
+        return self._yardsticks[split]
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:
@@ -49,5 +57,6 @@ class Evaluator:
             metrics.update({f"{tag}/{task}/{name}": value for name, value in result.items()})
         model.train()
         metrics[f"{prefix}_score" if prefix else "score"] = suite_score(scores) if scores else float("nan")
+        metrics.update(self.yardsticks(split, prefix))
         return metrics
 

@@ -194,6 +194,9 @@ def trials_table(report: Report):
     for row in report.rows:
         rec = {"trial": row.trial_id, "outcome": row.outcome}
         rec.update({m: row.metrics.get(m) for m in metrics})
+        majority = row.metrics.get("majority_score")
+        rec["beats_majority"] = (None if not (_finite(majority) and _finite(row.metrics.get("best_score")))
+                                 else bool(row.metrics["best_score"] > majority))
         rec.update({p.name: row.config.get(p.name) for p in space.params})
         rec["error"] = row.error
         records.append(rec)
@@ -232,6 +235,7 @@ def render(report: Report, elapsed_s: float, mlflow_line: str) -> str:
         shown = ", ".join(f"{m}={_fmt(best.metrics.get(m))}"
                           for m in ("best_score", "best_step", "score", "test_score", "extra_params"))
         lines += [f"Best trial {best.trial_id} by {space.primary.final_metric}: {shown}"]
+        lines += _yardstick_lines(report)
         lines += [f"  {k} = {v}" for k, v in sorted(best.config.items())]
         config = Path(report.study.dir, "trials", best.trial_id, "config.yaml")
         lines += [f"  its run config: {config}", ""]
@@ -249,6 +253,31 @@ def render(report: Report, elapsed_s: float, mlflow_line: str) -> str:
         lines += [f"Plots: {', '.join(str(p) for p in report.plots.values())}"]
     lines += [mlflow_line]
     return "\n".join(lines)
+
+
+def _yardstick_lines(report: Report) -> list[str]:
+    """The best trial's scores beside majority-class and chance on the same splits; a tie when it leads the
+    runner-up by less than one example's worth of suite score."""
+    best, m = report.best, report.best.metrics
+    lines = []
+    for split, score, prefix in (("validation", "best_score", ""), ("test", "test_score", "test_")):
+        majority, chance = m.get(f"{prefix}majority_score"), m.get(f"{prefix}chance_score")
+        if _finite(m.get(score)) and _finite(majority):
+            verdict = "beats" if m[score] > majority else "DOES NOT beat"
+            lines.append(f"  {split}: {m[score]:.1f} vs majority class {majority:.1f}, chance {chance:.1f} "
+                         f"({verdict} always predicting the majority class)")
+    tag = "task"
+    rows = [m[k] for k in m if k.startswith(f"{tag}/") and k.endswith("/rows") and _finite(m[k]) and m[k] > 0]
+    if rows:
+        step = 100.0 / (len(rows) * min(rows))  # one example of the smallest task, in suite-score points
+        primary = report.study.space.primary
+        others = sorted((primary.final_value(r.metrics) for r in report.rows
+                         if r is not best and r.outcome == "complete" and _finite(primary.final_value(r.metrics))),
+                        reverse=primary.mode == "max")
+        if others and abs(primary.final_value(m) - others[0]) < step:
+            lines.append(f"  a tie: the best leads the next trial by {abs(primary.final_value(m) - others[0]):.2f} "
+                         f"points, less than one example's worth ({step:.2f}); the ranking is not meaningful")
+    return lines
 
 
 def _fmt(v) -> str:
@@ -269,6 +298,8 @@ def summary(report: Report) -> tuple[dict[str, float], dict[str, str]]:
     values = {o.metric: o.final_value(best.metrics) for o in objectives}
     values["test_score"] = best.metrics.get("test_score")
     metrics.update({f"best_{m}": v for m, v in values.items() if _finite(v)})
+    yardsticks = ("majority_score", "chance_score", "test_majority_score", "test_chance_score")
+    metrics.update({k: best.metrics[k] for k in yardsticks if _finite(best.metrics.get(k))})
     return metrics, {"hpsearch.best_trial": best.trial_id, "hpsearch.best_config": json.dumps(best.config)}
 
 
