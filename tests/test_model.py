@@ -266,7 +266,7 @@ def test_frozen_prompts_equal_dynamic_and_skip_generators(variant, batch, monkey
         gen_dyn = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
                                  max_new_tokens=4)
     model.freeze_prompts()
-    monkeypatch.setattr(model, "generate_prompts", lambda: (_ for _ in ()).throw(AssertionError("called")))
+    monkeypatch.setattr(model, "generate_task_tensors", lambda *a: (_ for _ in ()).throw(AssertionError("called")))
     assert torch.equal(logits(model, batch), dynamic)
     with torch.no_grad():
         assert torch.equal(model.generate(batch["input_ids"], batch["attention_mask"],
@@ -403,3 +403,67 @@ def test_full_export_round_trip(tmp_path, batch):
     saved = load_file(str(tmp_path / "task" / "task_params.safetensors"))
     assert sum(t.numel() for t in saved.values()) == model.extra_parameters()["total"]
     assert not any(k.startswith("t5.") for k in saved)
+
+
+# ---- the generators against the paper's equations, from the raw parameters ------------------------------------------
+def hand_hyper_prompts(model):
+    """P_k = U_k(ReLU(D_k P_tau)), P_v = U_v(ReLU(D_v P_tau)) per prompted block, written from the paper.
+
+    share: one (D, U) pair per block; sep: one per block and task; global: I = W2 ReLU(W1 [k_tau; z_m]) and
+    (D, U) = H I, H's output read as [D (d x b) | U (b x d_i) | D's bias (b) | U's bias (d_i)].
+    Returns {(side, layer): (keys, values)}, each [T, heads, l, d_kv].
+    """
+    cfg, c = model.cfg, model.t5.config
+    d, heads, dkv, b, bias = c.d_model, c.num_heads, c.d_kv, cfg.bottleneck, cfg.hypernet_bias
+    di = heads * dkv
+    lengths = {"encoder": cfg.prompt_length_encoder, "decoder": cfg.prompt_length_decoder}
+    sides = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}[cfg.placement]
+    blocks = [(s, i) for s in ("encoder", "decoder") if s in sides for i in range(len(getattr(model.t5, s).block))]
+    relu = torch.relu
+    out = {}
+    for m, (side, i) in enumerate(blocks):
+        keys, values = [], []
+        for task in range(len(model.tasks)):
+            P = model.global_prompts[side].weight[task].view(lengths[side], d)
+            if cfg.variant == "global":
+                g = model.global_hypernets
+                x = torch.cat([g.task_embeddings.weight[task], g.layer_embeddings.weight[m]])
+                w1, w2 = g.projection[0], g.projection[2]
+                I = w2.weight @ relu(w1.weight @ x + (w1.bias if bias else 0)) + (w2.bias if bias else 0)
+                nets = []
+                for H in (g.hyper_k, g.hyper_v):
+                    w = H.weight @ I + (H.bias if bias else 0)
+                    D, U = w[:d * b].view(d, b), w[d * b: d * b + b * di].view(b, di)
+                    cD = w[d * b + b * di: d * b + b * di + b] if bias else 0
+                    cU = w[d * b + b * di + b:] if bias else 0
+                    nets.append((D, cD, U, cU))
+            else:
+                h = model.local_hypernets[f"{side}_{i}"]
+                j = 0 if cfg.variant == "share" else task
+                nets = [(down.weight[j], down.bias[j, 0] if bias else 0, up.weight[j], up.bias[j, 0] if bias else 0)
+                        for down, up in ((h.down_k, h.up_k), (h.down_v, h.up_v))]
+            k, v = (relu(P @ D + cD) @ U + cU for D, cD, U, cU in nets)
+            keys.append(k.view(-1, heads, dkv).transpose(0, 1))
+            values.append(v.view(-1, heads, dkv).transpose(0, 1))
+        out[(side, i)] = (torch.stack(keys), torch.stack(values))
+    return out
+
+
+@pytest.mark.parametrize("variant,bias,placement", [(v, b, "both") for v in VARIANTS for b in (False, True)]
+                         + [("global", False, "decoder"), ("sep", True, "encoder")])
+def test_generated_prompts_equal_the_papers_equations(variant, bias, placement, batch):
+    model = hp(variant=variant, placement=placement, hypernet_bias=bias)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # biases start at zero: move every generator parameter so each one counts
+        for name, p in model.named_parameters():
+            if not name.startswith("t5."):
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+        expected = hand_hyper_prompts(model)
+        table = model.generate_task_tensors()
+        rows = model.hyper_prompts(batch["task_ids"])
+    assert set(table) == set(expected) == set(rows)
+    for key, (k, v) in expected.items():
+        assert (table[key][0] - k).abs().max() <= 1e-5, key
+        assert (table[key][1] - v).abs().max() <= 1e-5, key
+        assert (rows[key][0] - k[batch["task_ids"]]).abs().max() <= 1e-5
+        assert (k - v).abs().max() > 1e-3  # keys and values come from different networks

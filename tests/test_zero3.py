@@ -1,4 +1,4 @@
-"""HyperPrompt under DeepSpeed ZeRO-3 on CPU: 2 ranks, partitioned parameters, forward/backward/step per variant."""
+"""Every method under DeepSpeed ZeRO-3 on CPU: 2 ranks, partitioned parameters, forward/backward/step, generation."""
 import json
 import os
 import socket
@@ -11,7 +11,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_zero3_step_every_variant(tmp_path):
+METHODS = ("hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "mtl", "prompt_tuning", "adapter",
+           "hyperformer")
+
+
+def test_zero3_step_every_method(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     worker = Path(__file__).parent / "workers" / "zero3_step.py"
     with socket.socket() as s:
@@ -22,16 +26,19 @@ def test_zero3_step_every_variant(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for variant in ("share", "sep", "global"):
+    for name in METHODS:
         for rep in reports:
-            r = rep[variant]
-            # ZeRO-3 partitions every generator parameter: nothing is held whole on a rank
-            assert r["local_shapes"] and all(s == [0] for s in r["local_shapes"].values()), r["local_shapes"]
+            r = rep[name]
+            # ZeRO-3 partitions every parameter (backbone and method): nothing is held whole on a rank
+            assert r["partitioned"]
+            assert bool(r["local_shapes"]) == (name != "mtl")
+            assert all(s == [0] for s in r["local_shapes"].values()), r["local_shapes"]
             # the first forward under ZeRO-3 equals the unpartitioned model with the same weights
             assert abs(r["losses"][0] - r["plain_loss"]) < 1e-5
             assert r["losses"][-1] < r["losses"][0]
-            assert all(r["changed"].values()), r["changed"]  # the optimizer updated every generator parameter
-            assert r["extra"] == r["plain_extra"] and r["extra"]["total"] > 0
+            assert all(r["changed"].values()), r["changed"]  # the optimizer updated every method parameter
+            assert r["backbone_changed"]
+            assert r["extra"] == r["plain_extra"] and (r["extra"]["total"] > 0) == (name != "mtl")
             assert r["generated"] == r["expected"]  # synced generation under ZeRO-3 == the plain model's
         # the ranks agree on the (gathered) updated parameters' fate and the counts
-        assert reports[0][variant]["extra"] == reports[1][variant]["extra"]
+        assert reports[0][name]["extra"] == reports[1][name]["extra"]

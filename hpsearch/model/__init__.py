@@ -1,6 +1,7 @@
-"""HyperPrompt T5 and its baselines behind one constructor.
+"""HyperPrompt T5 and its baselines behind one constructor, one file per method (METHOD_CLASSES).
 
     model = build_model("t5-tiny", "hyperprompt", tasks=["rte", "cb"], variant="global", placement="both")
+    model = build_model("t5-tiny", "hyperformer", tasks=["rte", "cb"], reduction_factor=32)
     out = model(input_ids, attention_mask, labels=labels, task_ids=task_ids)   # HF Seq2SeqLMOutput
     ids = model.generate(input_ids, attention_mask, task_ids=task_ids, max_new_tokens=5)
 """
@@ -9,17 +10,27 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from hpsearch.errors import ConfigError
-from hpsearch.model.backbones import NAMED_SHAPES, backbone_config, load_backbone
+from hpsearch.model.adapter import AdapterT5
+from hpsearch.model.backbones import NAMED_SHAPES, backbone_config, check_local_backbone, load_backbone
 from hpsearch.model.base import MultiTaskT5
-from hpsearch.model.config import ModelConfig
+from hpsearch.model.config import METHOD_FIELDS, ModelConfig
 from hpsearch.model.export import is_export, load_export, save_export, save_task_params
+from hpsearch.model.hyperformer import HyperFormerT5
 from hpsearch.model.hyperprompt import HyperPromptT5
 from hpsearch.model.mtl import MultiTaskBaseline
+from hpsearch.model.prompt_tuning import PromptTuningT5
 
-METHOD_CLASSES = {"mtl": MultiTaskBaseline, "hyperprompt": HyperPromptT5}
+METHOD_CLASSES = {
+    "mtl": MultiTaskBaseline,
+    "hyperprompt": HyperPromptT5,
+    "prompt_tuning": PromptTuningT5,
+    "adapter": AdapterT5,
+    "hyperformer": HyperFormerT5,
+}
 
-__all__ = ["NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config", "build_from_config", "build_model",
-           "model_config", "save_export", "save_task_params"]
+__all__ = ["METHOD_CLASSES", "METHOD_FIELDS", "NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config",
+           "build_from_config", "build_model", "check_local_backbone", "model_config", "save_export",
+           "save_task_params"]
 
 
 def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelConfig:

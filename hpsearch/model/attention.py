@@ -40,12 +40,12 @@ def _additive_mask(module, mask, q_len: int, k_len: int, dtype, device) -> torch
     return mask[..., :k_len].to(dtype)
 
 
-def _expand_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """Prompts are made per example; beam search repeats each example (repeat_interleave) after that."""
+def expand_rows(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """Per-example tensors (prompts, task ids) follow beam search, which repeats each example (repeat_interleave)."""
     if t.shape[0] == batch:
         return t
-    if batch % t.shape[0]:
-        raise RuntimeError(f"prompt batch {t.shape[0]} does not divide attention batch {batch}")
+    if not t.shape[0] or batch % t.shape[0]:
+        raise RuntimeError(f"per-example batch {t.shape[0]} does not divide the running batch {batch}")
     return t.repeat_interleave(batch // t.shape[0], dim=0)
 
 
@@ -59,7 +59,7 @@ def prompted_attention(module, query, key, value, attention_mask, scaling=1.0, d
     prompt = getattr(module, "hp_prompt", None)
     n_prompt = 0
     if prompt is not None and prompt[0].shape[2] > 0:
-        pk, pv = (_expand_batch(p.to(key.dtype), batch) for p in prompt)
+        pk, pv = (expand_rows(p.to(key.dtype), batch) for p in prompt)
         n_prompt = pk.shape[2]
         key = torch.cat([pk, key], dim=2)
         value = torch.cat([pv, value], dim=2)

@@ -1,16 +1,82 @@
 """The multi-task T5 wrapper every method shares: task ids in, Hugging Face seq2seq outputs out.
 
-A method subclasses `MultiTaskT5` and overrides `generate_prompts` (per-layer key/value prompts for all tasks)
-and `extra_parameters`. Plain multi-task T5 (MTL) is this class as it is: no prompts.
+A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this class never names a method.
+
+    generate_task_tensors(device)   per-task tensors for *all* tasks made by the method's generators
+                                    (hypernetworks): {key: tensor or tuple of tensors, each [num_tasks, ...]}.
+                                    `freeze_task_params()` caches them so inference does not pay the generators.
+    attention_prompts(ctx)          {(side, layer): (keys, values)} prepended inside self-attention (attention.py)
+    prepare_encoder_inputs(ctx, x)  rewrite the encoder inputs {input_ids, attention_mask, inputs_embeds}
+    adapt_sublayer(ctx, site, y)    rewrite a sublayer's output y (before T5's dropout + residual);
+                                    site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
+    extra_parameters(), parameter_formula()   counts from the real modules, and the closed formula
+
+`ctx` is the `TaskContext` of the current forward/generate call: the batch's task ids and the per-task tensors,
+indexed per row on request (following beam search's repeat_interleave). Every hook runs on every call, for every
+layer, whatever tasks the batch holds: data-parallel ranks call the same modules in the same order (ZeRO-3).
+Plain multi-task T5 (MTL) is this class as it is.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from hpsearch.model.attention import SIDES, attach, self_attention_modules, use_prompted_attention
+from hpsearch.model.attention import SIDES, attach, expand_rows, self_attention_modules, use_prompted_attention
 
 Prompts = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
+Site = tuple[str, int, str]
+SUBLAYER_KINDS = ("attention", "ffn")
+
+
+@dataclass
+class Formula:
+    """A method's closed parameter formula: its text, the value of each symbol, and its value."""
+    text: str
+    terms: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+
+
+class TaskContext:
+    """One call's task information: validated `task_ids` [batch] (or None) and the per-task tensor table."""
+
+    def __init__(self, task_ids: torch.Tensor | None, table: dict):
+        self.task_ids = task_ids
+        self.table = table
+        self._rows: dict = {}
+
+    def ids(self, batch: int | None = None) -> torch.Tensor:
+        """The task id of each of `batch` rows (beam search repeats every example: ids follow)."""
+        if self.task_ids is None:
+            raise ValueError("task_ids is required: a LongTensor [batch] of indices into model.tasks")
+        return self.task_ids if batch is None else expand_rows(self.task_ids, batch)
+
+    def rows(self, key, batch: int | None = None):
+        """`table[key]` indexed by each row's task: [batch, ...] (a tuple stays a tuple)."""
+        batch = batch if batch is not None else self.ids().numel()
+        if (key, batch) not in self._rows:
+            value = self.table[key]
+            ids = self.ids(batch)
+            index = lambda t: t[ids.to(t.device)]
+            self._rows[(key, batch)] = tuple(map(index, value)) if isinstance(value, tuple) else index(value)
+        return self._rows[(key, batch)]
+
+
+def count_trainable(module: nn.Module) -> int:
+    """Trainable parameters, also under ZeRO-3 (where a partitioned parameter's local numel is 0)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+
+
+def sublayer_modules(t5) -> dict[Site, nn.Module]:
+    """{(side, layer, kind): module} whose output is the sublayer output before dropout + residual."""
+    modules = {}
+    for side in SIDES:
+        for i, block in enumerate(getattr(t5, side).block):
+            modules[(side, i, "attention")] = block.layer[0].SelfAttention
+            modules[(side, i, "ffn")] = block.layer[-1].DenseReluDense
+    return modules
 
 
 class MultiTaskT5(nn.Module):
@@ -19,8 +85,12 @@ class MultiTaskT5(nn.Module):
         self.t5 = t5
         self.tasks = list(tasks)
         self.cfg = cfg
-        self._frozen: Prompts | None = None
+        self._frozen: dict | None = None
+        self._ctx: TaskContext | None = None
         use_prompted_attention(t5)
+        for site, module in sublayer_modules(t5).items():
+            module.hp_site = site
+            module.register_forward_hook(self._sublayer_hook)
         if cfg.train_task_params_only:
             t5.requires_grad_(False)
 
@@ -28,65 +98,115 @@ class MultiTaskT5(nn.Module):
     def config(self):
         return self.t5.config
 
-    # ---- prompts -------------------------------------------------------------------------------------------
-    def generate_prompts(self, device=None) -> Prompts:
-        """{(side, layer): (keys, values)} for every task, each [num_tasks, heads, l, d_kv]. MTL: none."""
+    # ---- the hooks a method fills in ----------------------------------------------------------------------
+    def generate_task_tensors(self, device=None) -> dict:
+        """Per-task tensors for all tasks, {key: tensor | tuple, each [num_tasks, ...]}. MTL: none."""
         return {}
 
-    def hyper_prompts(self, task_ids: torch.Tensor | None, batch_size: int | None = None) -> Prompts:
-        """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv], exactly as they enter attention."""
+    def attention_prompts(self, ctx: TaskContext) -> Prompts:
+        """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv]. MTL: none."""
+        return {}
+
+    def prepare_encoder_inputs(self, ctx: TaskContext, inputs: dict) -> dict:
+        """{input_ids, attention_mask, inputs_embeds} as the encoder will get them. MTL: unchanged."""
+        return inputs
+
+    def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
+        """The sublayer's new output [rows, n, d_model]. MTL: unchanged."""
+        return output
+
+    def parameter_formula(self) -> Formula:
+        return Formula("0")
+
+    def extra_parameters(self) -> dict[str, int]:
+        """Trainable parameters the method adds beyond the backbone, per component and under "total"."""
+        counts = {name: count_trainable(m) for name, m in self.named_children() if name != "t5"}
+        counts["total"] = sum(counts.values())
+        return counts
+
+    # ---- per-call task context ------------------------------------------------------------------------------
+    def task_context(self, task_ids, batch_size: int | None = None) -> TaskContext:
         if task_ids is not None:
             task_ids = torch.as_tensor(task_ids).long()
             if task_ids.dim() != 1 or (batch_size is not None and task_ids.numel() != batch_size):
                 raise ValueError(f"task_ids must be a LongTensor [batch] with one id per row ({batch_size}); "
                                  f"got shape {tuple(task_ids.shape)}")
-        if self._frozen is not None:
-            table = self._frozen
-        else:
-            table = self.generate_prompts(task_ids.device if task_ids is not None else None)
-        if not table:
-            return {}
-        if task_ids is None:
-            raise ValueError("task_ids is required: a LongTensor [batch] of indices into model.tasks")
-        task_ids = task_ids.to(next(iter(table.values()))[0].device)
-        if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
-            raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
-        return {key: (k[task_ids], v[task_ids]) for key, (k, v) in table.items()}
+            if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
+                raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
+        table = self._frozen if self._frozen is not None else \
+            self.generate_task_tensors(task_ids.device if task_ids is not None else None)
+        return TaskContext(task_ids, table)
 
-    def freeze_prompts(self, device=None) -> None:
-        """Evaluate the generators once per task and layer; serve these static prompts until `train()`."""
+    def hyper_prompts(self, task_ids, batch_size: int | None = None) -> Prompts:
+        """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv], exactly as they enter attention."""
+        return self.attention_prompts(self.task_context(task_ids, batch_size))
+
+    @contextmanager
+    def _using(self, ctx: TaskContext, recorders: dict | None = None):
+        self._ctx = ctx
+        try:
+            with attach(self.t5, self.attention_prompts(ctx), recorders):
+                yield
+        finally:
+            self._ctx = None
+
+    def _sublayer_hook(self, module, args, output):
+        if self._ctx is None:  # the backbone called on its own: stock T5
+            return None
+        if isinstance(output, tuple):  # T5Attention: (attn_output, position_bias, attn_weights)
+            return (self.adapt_sublayer(self._ctx, module.hp_site, output[0]), *output[1:])
+        return self.adapt_sublayer(self._ctx, module.hp_site, output)
+
+    def _encoder_inputs(self, ctx, input_ids, attention_mask, kwargs) -> dict:
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                      inputs_embeds=kwargs.pop("inputs_embeds", None))
+        if kwargs.get("encoder_outputs") is not None:  # the encoder already ran (the mask must match its output)
+            return inputs
+        return self.prepare_encoder_inputs(ctx, inputs)
+
+    # ---- frozen task parameters (inference) -----------------------------------------------------------------
+    def freeze_task_params(self, device=None) -> None:
+        """Run the generators once for every task; serve these static tensors until `train()`."""
         with torch.no_grad():
-            self._frozen = {key: (k.detach(), v.detach()) for key, (k, v) in self.generate_prompts(device).items()}
+            table = self.generate_task_tensors(device)
+            detach = lambda v: tuple(t.detach() for t in v) if isinstance(v, tuple) else v.detach()
+            self._frozen = {key: detach(value) for key, value in table.items()}
 
-    def unfreeze_prompts(self) -> None:
+    def unfreeze_task_params(self) -> None:
         self._frozen = None
 
     @property
-    def prompts_frozen(self) -> bool:
+    def task_params_frozen(self) -> bool:
         return self._frozen is not None
+
+    freeze_prompts = freeze_task_params      # the names train.py and older code use
+    unfreeze_prompts = unfreeze_task_params
+    prompts_frozen = task_params_frozen
 
     def train(self, mode: bool = True):
         if mode:
-            self.unfreeze_prompts()
+            self.unfreeze_task_params()
         return super().train(mode)
-
-    def extra_parameters(self) -> dict[str, int]:
-        """Trainable parameters the method adds beyond the backbone, per component and under "total"."""
-        return {"total": 0}
 
     # ---- the Hugging Face interface -----------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, labels=None, decoder_input_ids=None,
                 decoder_attention_mask=None, task_ids=None, **kwargs):
         rows = next((x.shape[0] for x in (input_ids, decoder_input_ids, labels, kwargs.get("inputs_embeds"))
                      if x is not None), None)
-        with attach(self.t5, self.hyper_prompts(task_ids, rows)):
-            return self.t5(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                           decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
-                           **kwargs)
+        ctx = self.task_context(task_ids, rows)
+        with self._using(ctx):
+            inputs = self._encoder_inputs(ctx, input_ids, attention_mask, kwargs)
+            return self.t5(**inputs, labels=labels, decoder_input_ids=decoder_input_ids,
+                           decoder_attention_mask=decoder_attention_mask, **kwargs)
 
-    def generate(self, input_ids, attention_mask=None, task_ids=None, **generation_kwargs):
-        with attach(self.t5, self.hyper_prompts(task_ids, input_ids.shape[0])):
-            return self.t5.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+    @torch.no_grad()
+    def generate(self, input_ids=None, attention_mask=None, task_ids=None, **generation_kwargs):
+        embeds = generation_kwargs.get("inputs_embeds")
+        ctx = self.task_context(task_ids, (input_ids if input_ids is not None else embeds).shape[0])
+        with self._using(ctx):
+            inputs = self._encoder_inputs(ctx, input_ids, attention_mask, generation_kwargs)
+            inputs = {k: v for k, v in inputs.items() if v is not None}
+            return self.t5.generate(**inputs, **generation_kwargs)
 
     # ---- analysis -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -96,7 +216,10 @@ class MultiTaskT5(nn.Module):
         Averaged over heads and the batch's real (unpadded) query positions. `batch` holds the forward's keys
         (input_ids, attention_mask, labels or decoder_input_ids, task_ids, ...).
         """
-        query_masks = {"encoder": batch.get("attention_mask")}
+        inputs = {k: v for k, v in batch.items() if k != "task_ids"}
+        ctx = self.task_context(batch.get("task_ids"), None)
+        enc = self._encoder_inputs(ctx, inputs.pop("input_ids", None), inputs.pop("attention_mask", None), inputs)
+        query_masks = {"encoder": enc["attention_mask"]}
         if batch.get("decoder_attention_mask") is not None:
             query_masks["decoder"] = batch["decoder_attention_mask"]
         elif batch.get("labels") is not None:
@@ -118,12 +241,11 @@ class MultiTaskT5(nn.Module):
             return record
 
         recorders = {key: recorder(key) for key in self_attention_modules(self.t5)}
-        inputs = {k: v for k, v in batch.items() if k != "task_ids"}
         was_training = self.training
         self.eval()
         try:
-            with attach(self.t5, self.hyper_prompts(batch.get("task_ids")), recorders):
-                self.t5(**inputs)
+            with self._using(ctx, recorders):
+                self.t5(**enc, **inputs)
         finally:
             self.train(was_training)
         return {side: [{"layer": i, "prompt_mass": sums[(s, i)][0], "token_entropy": sums[(s, i)][1]}

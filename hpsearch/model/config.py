@@ -1,41 +1,89 @@
-"""The `model` section of a run config. Field names are the same everywhere (YAML, overrides, search spaces)."""
+"""The `model` section of a run config. Field names are the same everywhere (YAML, overrides, search spaces).
+
+`METHOD_FIELDS` says which fields each method can use (the single source of truth for search spaces and
+reports); `ModelConfig.active_fields()` narrows that to what one concrete configuration actually uses.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from hpsearch.errors import ConfigError
 
-METHODS = ("mtl", "hyperprompt")
+METHODS = ("mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer")
 VARIANTS = ("share", "sep", "global")
 PLACEMENTS = ("encoder", "decoder", "both")
+PROMPT_INITS = ("random", "vocab", "labels")
+ADAPTER_SITES = ("ffn", "attention", "both")
+
+# Fields every method uses.
+COMMON_FIELDS = ("backbone", "method", "dropout", "vocab_size")
+# The fields each method can use, beyond COMMON_FIELDS (`mtl` has no task parameters, so no
+# train_task_params_only either: it must stay false there).
+METHOD_FIELDS: dict[str, tuple[str, ...]] = {
+    "mtl": (),
+    "hyperprompt": ("variant", "placement", "prompt_length_encoder", "prompt_length_decoder", "bottleneck",
+                    "task_embedding_dim", "layer_task_dim", "projection_hidden", "hypernet_bias",
+                    "train_task_params_only"),
+    "prompt_tuning": ("prompt_length", "prompt_init", "train_task_params_only"),
+    "adapter": ("bottleneck", "adapter_sites", "train_task_params_only"),
+    "hyperformer": ("reduction_factor", "hyperformer_task_dim", "hyperformer_projected_dim",
+                    "hyperformer_hidden_dim", "train_task_params_only"),
+}
+_GLOBAL_ONLY = ("task_embedding_dim", "layer_task_dim", "projection_hidden")
 
 
 @dataclass
 class ModelConfig:
     backbone: str = "t5-tiny"            # named offline shape, hub id, or local checkpoint dir
-    method: str = "hyperprompt"          # mtl | hyperprompt
+    method: str = "hyperprompt"          # mtl | hyperprompt | prompt_tuning | adapter | hyperformer
+    # -- hyperprompt
     variant: str = "global"              # share | sep | global
     placement: str = "both"              # encoder | decoder | both
     prompt_length_encoder: int = 16      # l on the encoder side (paper's best: 16)
     prompt_length_decoder: int = 6       # l on the decoder side (paper's best: 6)
-    bottleneck: int = 32                 # b: local hypernetworks d -> b -> d
+    bottleneck: int = 32                 # b: hyperprompt's local hypernetworks d -> b -> d; adapter's d -> b -> d
     task_embedding_dim: int = 32         # t': task embedding k_tau and layer embedding z_m (global)
     layer_task_dim: int = 32             # t: layer-aware task embedding I (global)
     projection_hidden: int = 64          # e: hidden size of the projection net 2t' -> e -> t (global)
     hypernet_bias: bool = False          # biases in the hypernetworks (the paper's counts leave them out)
-    train_task_params_only: bool = False  # freeze the backbone (the paper's ablation)
+    # -- prompt_tuning
+    prompt_length: int = 16              # l: soft-prompt vectors per task prepended to the encoder input
+    prompt_init: str = "vocab"           # random | vocab | labels (labels fall back to vocab without label ids)
+    # -- adapter
+    adapter_sites: str = "both"          # ffn | attention | both: after which sublayers of every block
+    # -- hyperformer (HyperFormer++; defaults from its released config)
+    reduction_factor: int = 32           # adapter bottleneck b = d_model // reduction_factor (T5-Base: 24)
+    hyperformer_task_dim: int = 64       # task, layer-id and block-type embeddings
+    hyperformer_projected_dim: int = 64  # task projector output (the generators' input)
+    hyperformer_hidden_dim: int = 128    # task projector hidden size
+    # -- every method with task parameters
+    train_task_params_only: bool = False  # freeze the backbone (the paper's ablation; Lester's prompt tuning)
     dropout: float | None = None         # None keeps the backbone's dropout_rate
     vocab_size: int | None = None        # offline shapes only: None keeps the shape's vocabulary
 
     def prompted_sides(self) -> tuple[str, ...]:
+        """The sides whose self-attention carries HyperPrompt key/value prompts (none for other methods)."""
         if self.method != "hyperprompt":
             return ()
         return {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}[self.placement]
 
-    def prompt_length(self, side: str) -> int:
+    def side_prompt_length(self, side: str) -> int:
+        """HyperPrompt's l on `side` (0 when that side is not prompted)."""
         if side not in self.prompted_sides():
             return 0
         return self.prompt_length_encoder if side == "encoder" else self.prompt_length_decoder
+
+    def active_fields(self) -> set[str]:
+        """The model fields this configuration actually uses (the others have no effect on the model)."""
+        used = set(COMMON_FIELDS) | set(METHOD_FIELDS[self.method])
+        if self.method == "hyperprompt":
+            if self.variant != "global":
+                used -= set(_GLOBAL_ONLY)
+            if self.placement == "encoder":
+                used.discard("prompt_length_decoder")
+            elif self.placement == "decoder":
+                used.discard("prompt_length_encoder")
+        return used
 
     def validate(self) -> None:
         def choice(name, options):
@@ -45,10 +93,14 @@ class ModelConfig:
         choice("method", METHODS)
         choice("variant", VARIANTS)
         choice("placement", PLACEMENTS)
+        choice("prompt_init", PROMPT_INITS)
+        choice("adapter_sites", ADAPTER_SITES)
         if not self.backbone:
             raise ConfigError("model.backbone: empty; expected a named shape (e.g. t5-tiny), a hub id or a path")
         for name, low in (("prompt_length_encoder", 0), ("prompt_length_decoder", 0), ("bottleneck", 1),
-                          ("task_embedding_dim", 1), ("layer_task_dim", 1), ("projection_hidden", 1)):
+                          ("task_embedding_dim", 1), ("layer_task_dim", 1), ("projection_hidden", 1),
+                          ("prompt_length", 1), ("reduction_factor", 1), ("hyperformer_task_dim", 1),
+                          ("hyperformer_projected_dim", 1), ("hyperformer_hidden_dim", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low or value > 4096:
                 raise ConfigError(f"model.{name}: {value!r} is out of range; expected an integer in [{low}, 4096]")

@@ -1,16 +1,25 @@
 """HyperPrompt (He et al., ICML 2022): hypernetwork-generated key/value prompts for T5 self-attention.
 
 For task tau and prompted block m:  P_k = U_k(ReLU(D_k(P_tau))),  P_v = U_v(ReLU(D_v(P_tau))),
-with P_tau in R^{l x d} the task's global prompt (one per prompted side), D: d -> b, U: b -> d_inner.
+with P_tau in R^{l x d} the task's global prompt (one per prompted side), D: d -> b, U: b -> d_i
+(d_i = heads * d_kv, equal to d except in t5-3b / t5-11b).
 
 - share:  one pair of local hypernetworks (h_k, h_v) per block, shared by all tasks.
 - sep:    one pair per block *and task*.
 - global: k_tau (t') and z_m (t') -> projection net (2t' -> e -> t) -> I_tau^m (t) -> global hypernetworks
           H_k, H_v (linear in I) emit the D and U matrices of the local hypernetworks.
 
-Prompts are computed for *all* tasks on every call, then indexed by the batch's task ids: every data-parallel
-rank then calls the same modules in the same order (ZeRO-3 gathers parameters collectively per module call),
-and a batch may mix tasks. Nothing here reads a parameter outside its own module's forward.
+Extra parameters (T tasks, M prompted blocks, l = summed prompt length of the prompted sides, beta = 1 with
+`hypernet_bias`, else 0; with beta = 0 and d_i = d these are the paper's counts):
+    share:   d*l*T + M * (2*b*(d + d_i) + 2*beta*(b + d_i))
+    sep:     d*l*T + M*T * (2*b*(d + d_i) + 2*beta*(b + d_i))
+    global:  d*l*T + (2*t + 2*beta) * o + T*t' + M*t' + (2t' + beta)*e + (e + beta)*t,
+             o = b*(d + d_i) + beta*(b + d_i)   (one generated local net: D, U and their biases)
+
+Prompts are computed for *all* tasks on every call (`generate_task_tensors`), then indexed by the batch's task
+ids: every data-parallel rank then calls the same modules in the same order (ZeRO-3 gathers parameters
+collectively per module call), and a batch may mix tasks. Nothing here reads a parameter outside its own
+module's forward.
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpsearch.model.attention import SIDES
-from hpsearch.model.base import MultiTaskT5
+from hpsearch.model.base import Formula, MultiTaskT5, TaskContext, count_trainable
 
 
 class TaskLinear(nn.Module):
@@ -108,7 +117,7 @@ class HyperPromptT5(MultiTaskT5):
                            for i in range(len(getattr(t5, side).block))]
         # Global prompts P_tau, one set per prompted side: an embedding row per task (never read as .weight).
         self.global_prompts = nn.ModuleDict({
-            side: nn.Embedding(n_tasks, cfg.prompt_length(side) * d) for side in cfg.prompted_sides()})
+            side: nn.Embedding(n_tasks, cfg.side_prompt_length(side) * d) for side in cfg.prompted_sides()})
         for emb in self.global_prompts.values():
             nn.init.normal_(emb.weight, std=1.0)  # T5 embeddings' scale: the prompts live where hidden states do
         if cfg.variant == "global":
@@ -120,12 +129,12 @@ class HyperPromptT5(MultiTaskT5):
                 f"{side}_{i}": LocalHypernets(copies, d, cfg.bottleneck, d_inner, cfg.hypernet_bias)
                 for side, i in self.layer_keys})
 
-    def generate_prompts(self, device=None) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    def generate_task_tensors(self, device=None) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
         """Run the generators for every task: {(side, layer): (keys, values)}, each [T, heads, l, d_kv]."""
         n_tasks = len(self.tasks)
         device = device if device is not None else next(self.t5.parameters()).device
         ids = torch.arange(n_tasks, device=device)
-        side_prompts = {side: emb(ids).view(n_tasks, self.cfg.prompt_length(side), self.d_model)
+        side_prompts = {side: emb(ids).view(n_tasks, self.cfg.side_prompt_length(side), self.d_model)
                         for side, emb in self.global_prompts.items()}
         layer_prompts = [side_prompts[side] for side, _ in self.layer_keys]
         if self.cfg.variant == "global":
@@ -133,6 +142,10 @@ class HyperPromptT5(MultiTaskT5):
         else:
             pairs = [self.local_hypernets[f"{side}_{i}"](p) for (side, i), p in zip(self.layer_keys, layer_prompts)]
         return {key: tuple(self._heads(x) for x in pair) for key, pair in zip(self.layer_keys, pairs)}
+
+    def attention_prompts(self, ctx: TaskContext) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+        """Each row's prompts: {(side, layer): (keys, values)}, each [batch, heads, l, d_kv]."""
+        return {key: ctx.rows(key) for key in ctx.table}
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """[T, l, heads * d_kv] -> [T, heads, l, d_kv], the layout of T5's keys and values."""
@@ -146,11 +159,25 @@ class HyperPromptT5(MultiTaskT5):
                          projection=g.projection, global_hypernets=nn.ModuleList([g.hyper_k, g.hyper_v]))
         else:
             parts["local_hypernets"] = self.local_hypernets
-        counts = {name: _count(module) for name, module in parts.items()}
+        counts = {name: count_trainable(module) for name, module in parts.items()}
         counts["total"] = sum(counts.values())
         return counts
 
-
-def _count(module: nn.Module) -> int:
-    """Trainable parameters, also under ZeRO-3 (where a partitioned parameter's local numel is 0)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+    def parameter_formula(self) -> Formula:
+        c, cfg = self.t5.config, self.cfg
+        d, di, b, T, beta = c.d_model, c.num_heads * c.d_kv, cfg.bottleneck, len(self.tasks), int(cfg.hypernet_bias)
+        l, M = sum(cfg.side_prompt_length(s) for s in cfg.prompted_sides()), len(self.layer_keys)
+        terms = dict(d=d, d_i=di, l=l, T=T, M=M, b=b, beta=beta)
+        local = 2 * b * (d + di) + 2 * beta * (b + di)
+        if cfg.variant != "global":
+            copies = 1 if cfg.variant == "share" else T
+            text = "d*l*T + M * (2*b*(d + d_i) + 2*beta*(b + d_i))" if copies == 1 else \
+                "d*l*T + M*T * (2*b*(d + d_i) + 2*beta*(b + d_i))"
+            return Formula(text, terms, d * l * T + M * copies * local)
+        t1, t, e = cfg.task_embedding_dim, cfg.layer_task_dim, cfg.projection_hidden
+        o = b * (d + di) + beta * (b + di)
+        terms.update({"t'": t1, "t": t, "e": e, "o": o})
+        text = ("d*l*T + (2*t + 2*beta)*o + T*t' + M*t' + (2t' + beta)*e + (e + beta)*t,"
+                "  o = b*(d + d_i) + beta*(b + d_i)")
+        return Formula(text, terms, d * l * T + (2 * t + 2 * beta) * o + T * t1 + M * t1 + (2 * t1 + beta) * e
+                       + (e + beta) * t)

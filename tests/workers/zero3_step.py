@@ -1,4 +1,5 @@
-"""Run under torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu): one ZeRO-3 training step per HyperPrompt variant.
+"""Run under torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu): ZeRO-3 training steps for every method of the library
+(the three HyperPrompt variants, MTL, prompt tuning, adapter, HyperFormer++).
 
 Writes a JSON report per rank to argv[1]; tests/test_zero3.py asserts on it.
 """
@@ -17,11 +18,20 @@ from hpsearch.model import build_model  # noqa: E402
 dist.init_process_group("gloo")
 deepspeed.init_distributed("gloo")
 rank = dist.get_rank()
+HP = dict(placement="both", prompt_length_encoder=4, prompt_length_decoder=2, bottleneck=8)
+SETUPS = {
+    "hyperprompt-share": ("hyperprompt", dict(variant="share", **HP)),
+    "hyperprompt-sep": ("hyperprompt", dict(variant="sep", **HP)),
+    "hyperprompt-global": ("hyperprompt", dict(variant="global", **HP)),
+    "mtl": ("mtl", {}),
+    "prompt_tuning": ("prompt_tuning", dict(prompt_length=4)),
+    "adapter": ("adapter", dict(bottleneck=8)),
+    "hyperformer": ("hyperformer", {}),  # the released config's sizes; t5-tiny: b = 64 // 32 = 2
+}
 report = {}
-for variant in ("share", "sep", "global"):
+for name, (method, hparams) in SETUPS.items():
     torch.manual_seed(0)
-    model = build_model("t5-tiny", "hyperprompt", ["a", "b", "c"], variant=variant, placement="both",
-                        prompt_length_encoder=4, prompt_length_decoder=2, bottleneck=8)
+    model = build_model("t5-tiny", method, ["a", "b", "c"], **hparams)
     plain = copy.deepcopy(model)
     g = torch.Generator().manual_seed(rank)  # each rank its own data shard
     batch = dict(input_ids=torch.randint(3, 200, (2, 9), generator=g),
@@ -36,6 +46,7 @@ for variant in ("share", "sep", "global"):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     local_shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if not n.startswith("t5.")}
+    partitioned = all(tuple(p.shape) == (0,) for p in model.parameters())
     losses = []
     for _ in range(3):
         loss = engine(**batch).loss
@@ -51,16 +62,19 @@ for variant in ("share", "sep", "global"):
                                    max_new_tokens=n_new, min_new_tokens=n_new, synced_gpus=True).tolist()
     model.train()
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        changed = {n: not torch.equal(p.detach(), dict(plain.named_parameters())[n].detach())
+        before = dict(plain.named_parameters())
+        changed = {n: not torch.equal(p.detach(), before[n].detach())
                    for n, p in model.named_parameters() if not n.startswith("t5.")}
+        backbone_changed = not torch.equal(model.t5.shared.weight.detach(), before["t5.shared.weight"].detach())
         plain.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
     plain.eval()
     with torch.no_grad():
         expected = plain.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
                                   max_new_tokens=n_new, min_new_tokens=n_new).tolist()
-    report[variant] = dict(generated=generated, expected=expected, plain_loss=plain_loss, losses=losses,
-                           local_shapes=local_shapes, changed=changed, extra=model.extra_parameters(),
-                           plain_extra=plain.extra_parameters())
+    report[name] = dict(generated=generated, expected=expected, plain_loss=plain_loss, losses=losses,
+                        local_shapes=local_shapes, partitioned=partitioned, changed=changed,
+                        backbone_changed=backbone_changed, extra=model.extra_parameters(),
+                        plain_extra=plain.extra_parameters())
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()

@@ -1,0 +1,76 @@
+"""Adapter: per-task bottleneck adapters (Houlsby et al. 2019) made multi-task as in HyperFormer's baseline.
+
+In every block of both stacks, after the self-attention sublayer and/or the feed-forward sublayer
+(`adapter_sites`: attention | ffn | both), the sublayer output y (before T5's dropout and residual) becomes
+
+    y' = y + U_tau(ReLU(D_tau y + c_tau)) + u_tau         D_tau: d -> b, U_tau: b -> d, one pair per task tau
+
+(HyperFormer's placement; the issue's form: ReLU, no layer norm). Weights start at N(0, 0.01^2) and biases at
+zero as in HyperFormer's code, so a new adapter is close to the identity.
+
+Extra parameters (T tasks, S adapted sublayers = (L_enc + L_dec) * (2 if both else 1), b = `bottleneck`):
+    T * S * (2*d*b + b + d)
+
+Each site is one module holding all tasks' weights ([T, ...]); it is called on every forward whatever tasks the
+batch holds, and indexes its own parameters per row inside its own forward (ZeRO-3 safe).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, sublayer_modules
+
+
+def row_bottleneck(y: torch.Tensor, down_w, down_b, up_w, up_b) -> torch.Tensor:
+    """U(ReLU(D y + c)) + u with one adapter per row: y [B, n, d], down_w [B, b, d], down_b [B, b],
+    up_w [B, d, b], up_b [B, d] (weights laid out [out, in] as in nn.Linear)."""
+    h = F.relu(y @ down_w.transpose(1, 2) + down_b[:, None])
+    return h @ up_w.transpose(1, 2) + up_b[:, None]
+
+
+class TaskAdapter(nn.Module):
+    """The adapters of one sublayer, one per task: y -> y + U_tau(ReLU(D_tau y)) for each row's task tau."""
+
+    def __init__(self, num_tasks: int, d_model: int, bottleneck: int, std: float = 1e-2):
+        super().__init__()
+        self.down_weight = nn.Parameter(torch.randn(num_tasks, bottleneck, d_model) * std)
+        self.down_bias = nn.Parameter(torch.zeros(num_tasks, bottleneck))
+        self.up_weight = nn.Parameter(torch.randn(num_tasks, d_model, bottleneck) * std)
+        self.up_bias = nn.Parameter(torch.zeros(num_tasks, d_model))
+
+    def forward(self, y: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
+        ids = task_ids.to(self.down_weight.device)
+        out = row_bottleneck(y, self.down_weight[ids].to(y.dtype), self.down_bias[ids].to(y.dtype),
+                             self.up_weight[ids].to(y.dtype), self.up_bias[ids].to(y.dtype))
+        return y + out
+
+
+def adapted_sites(t5, adapter_sites: str) -> list[Site]:
+    kinds = {"both": ("attention", "ffn"), "attention": ("attention",), "ffn": ("ffn",)}[adapter_sites]
+    return [site for site in sublayer_modules(t5) if site[2] in kinds]
+
+
+def site_name(site: Site) -> str:
+    return "_".join(map(str, site))
+
+
+class AdapterT5(MultiTaskT5):
+    """Multi-task T5 with per-task bottleneck adapters after its sublayers."""
+
+    def __init__(self, t5, tasks, cfg):
+        super().__init__(t5, tasks, cfg)
+        self.sites = adapted_sites(t5, cfg.adapter_sites)
+        self.adapters = nn.ModuleDict({site_name(s): TaskAdapter(len(self.tasks), t5.config.d_model, cfg.bottleneck)
+                                       for s in self.sites})
+
+    def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
+        name = site_name(site)
+        if name not in self.adapters:
+            return output
+        return self.adapters[name](output, ctx.ids(output.shape[0]))
+
+    def parameter_formula(self) -> Formula:
+        d, b, T, S = self.t5.config.d_model, self.cfg.bottleneck, len(self.tasks), len(self.sites)
+        return Formula("T * S * (2*d*b + b + d)", dict(T=T, S=S, d=d, b=b), T * S * (2 * d * b + b + d))

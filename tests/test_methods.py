@@ -1,0 +1,489 @@
+"""Every method of the model library against one contract, and each baseline against an independent computation.
+
+Contract (all methods): mixed-task batches equal the rows run task by task; cached == uncached decoding (greedy and
+beam search); gradients reach every method parameter; train_task_params_only freezes the backbone; the closed
+formula (written here, independently) equals the real modules' count; export round-trip; frozen task parameters
+equal dynamic ones and skip the generators.
+Baselines: prompt tuning == stock T5 fed [prompt; embed(ids)]; adapter and HyperFormer++ blocks == hand-written
+blocks; HyperFormer++'s generated weights == a re-computation from the raw parameters.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+from hpsearch.errors import ConfigError
+from hpsearch.model import build_model, save_export, save_task_params
+from hpsearch.model.config import COMMON_FIELDS, METHOD_FIELDS, METHODS, ModelConfig
+
+TASKS = ["a", "b", "c"]
+HP = dict(placement="both", prompt_length_encoder=3, prompt_length_decoder=2, bottleneck=4, task_embedding_dim=5,
+          layer_task_dim=6, projection_hidden=7)
+HF = dict(reduction_factor=8, hyperformer_task_dim=5, hyperformer_projected_dim=6, hyperformer_hidden_dim=7)
+SETUPS = {
+    "mtl": ("mtl", {}),
+    "hyperprompt-share": ("hyperprompt", dict(variant="share", **HP)),
+    "hyperprompt-sep": ("hyperprompt", dict(variant="sep", **HP)),
+    "hyperprompt-global": ("hyperprompt", dict(variant="global", hypernet_bias=True, **HP)),
+    "prompt_tuning": ("prompt_tuning", dict(prompt_length=3)),
+    "adapter": ("adapter", dict(bottleneck=4)),
+    "adapter-ffn": ("adapter", dict(bottleneck=4, adapter_sites="ffn")),
+    "adapter-attention": ("adapter", dict(bottleneck=4, adapter_sites="attention")),
+    "hyperformer": ("hyperformer", HF),
+}
+WITH_TASK_PARAMS = [name for name in SETUPS if name != "mtl"]
+GENERATED = ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "hyperformer"]
+
+
+def tiny_config(**kw) -> T5Config:
+    values = dict(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8, vocab_size=64,
+                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                  relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    values.update(kw)
+    return T5Config(**values)
+
+
+def make(name, seed=0, config=None, **kw):
+    method, hparams = SETUPS[name]
+    torch.manual_seed(seed)
+    return build_model(config or tiny_config(), method, TASKS, **{**hparams, **kw}).eval()
+
+
+def method_params(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if not n.startswith("t5.")}
+
+
+def perturb(model, std=0.3, seed=5):
+    """Move every method parameter away from its near-identity init, so each one matters in the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in method_params(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def stock_copy(model) -> T5ForConditionalGeneration:
+    stock = T5ForConditionalGeneration(model.t5.config.__class__(**model.t5.config.to_dict()))
+    stock.load_state_dict(model.t5.state_dict())
+    stock.set_attn_implementation("eager")
+    return stock.eval()
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(3, 64, (4, 9), generator=g)
+    am = torch.ones_like(x)
+    am[1, 6:] = 0
+    am[3, 4:] = 0
+    x[am == 0] = 0
+    y = torch.randint(3, 64, (4, 5), generator=g)
+    y[2, 3:] = -100
+    return dict(input_ids=x, attention_mask=am, labels=y, task_ids=torch.tensor([0, 1, 2, 0]))
+
+
+def logits(model, batch, **kw):
+    with torch.no_grad():
+        return model(**{**batch, **kw}).logits
+
+
+def overfit(model, batch, steps=30):
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+    model.eval()
+
+
+# ---- the contract, for every method -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SETUPS)
+def test_mixed_batch_equals_rows_run_task_by_task(name, batch):
+    model = perturb(make(name))
+    mixed = logits(model, batch)
+    for row, task in enumerate(batch["task_ids"].tolist()):
+        single = {**batch, "task_ids": torch.full((4,), task)}
+        assert (logits(model, single)[row] - mixed[row]).abs().max() <= 1e-5
+    if name != "mtl":  # and the task does condition the output
+        other = {**batch, "task_ids": (batch["task_ids"] + 1) % 3}
+        assert (logits(model, other) - mixed).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", SETUPS)
+def test_generation_cached_equals_uncached_and_beams_follow_tasks(name, batch):
+    model = make(name, seed=3, config=tiny_config(d_model=64, d_kv=16))
+    overfit(model, batch)  # an untrained model decodes one token over and over: make decoding non-trivial
+    ids, am, tids = batch["input_ids"], batch["attention_mask"], batch["task_ids"]
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1, eos_token_id=None,
+                  output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = model.generate(ids, am, task_ids=tids, use_cache=True, **greedy)
+        uncached = model.generate(ids, am, task_ids=tids, use_cache=False, **greedy)
+        assert torch.equal(cached.sequences, uncached.sequences)
+        assert len(set(cached.sequences[:, 1:].flatten().tolist())) > 2  # a real decode
+        full = model(input_ids=ids, attention_mask=am, decoder_input_ids=cached.sequences[:, :-1],
+                     task_ids=tids).logits
+        assert (torch.stack(cached.scores, 1) - full).abs().max() <= 1e-4
+        # beam search repeats every row: per-row task data must follow
+        beams = dict(max_new_tokens=5, min_new_tokens=5, num_beams=3, num_return_sequences=2, eos_token_id=None)
+        mixed = model.generate(ids, am, task_ids=tids, **beams)
+        assert torch.equal(model.generate(ids, am, task_ids=tids, use_cache=False, **beams), mixed)
+        for row, task in enumerate(tids.tolist()):
+            single = model.generate(ids, am, task_ids=torch.full((4,), task), **beams)
+            assert torch.equal(single[2 * row: 2 * row + 2], mixed[2 * row: 2 * row + 2])
+
+
+@pytest.mark.parametrize("name", SETUPS)
+def test_gradients_reach_every_method_parameter(name, batch):
+    model = make(name).train()
+    model(**batch).loss.backward()
+    params = method_params(model)
+    assert bool(params) == (name != "mtl")
+    for n, p in params.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+    assert model.t5.shared.weight.grad is not None
+
+
+@pytest.mark.parametrize("name", WITH_TASK_PARAMS)
+def test_train_task_params_only_freezes_the_backbone(name, batch):
+    model = make(name, train_task_params_only=True).train()
+    model(**batch).loss.backward()
+    assert all(p.grad is None for p in model.t5.parameters())
+    assert all(p.grad is not None for p in method_params(model).values())
+    assert model.extra_parameters()["total"] == sum(p.numel() for p in method_params(model).values())
+
+
+def test_mtl_refuses_train_task_params_only():
+    with pytest.raises(ConfigError, match="model.train_task_params_only"):
+        make("mtl", train_task_params_only=True)
+
+
+def expected_extra(name, shape, T) -> int:
+    """Each method's parameter count, written from its definition (module by module), not from the library."""
+    method, kw = SETUPS[name]
+    d, Le, Ld = shape["d_model"], shape["num_layers"], shape["num_decoder_layers"]
+    di = shape["num_heads"] * shape["d_kv"]
+    if method == "mtl":
+        return 0
+    if method == "prompt_tuning":
+        return T * kw["prompt_length"] * d                                     # one l x d prompt per task
+    if method == "adapter":
+        b = kw["bottleneck"]
+        sites = (Le + Ld) * (2 if kw.get("adapter_sites", "both") == "both" else 1)
+        return T * sites * ((d * b + b) + (b * d + d))                         # D, c, U, u per task and site
+    if method == "hyperformer":
+        t, h, p, b = kw["hyperformer_task_dim"], kw["hyperformer_hidden_dim"], kw["hyperformer_projected_dim"], \
+            d // kw["reduction_factor"]
+        per_stack = lambda L: (L * t + 2 * t + (3 * t * h + h) + (h * p + p) + 2 * p    # embeddings, projector, LN
+                               + (p + 1) * b * d + (p + 1) * b + (p + 1) * d * b + (p + 1) * d + 2 * (p + 1) * d)
+        return T * t + per_stack(Le) + per_stack(Ld)
+    b, l, M, beta = kw["bottleneck"], kw["prompt_length_encoder"] + kw["prompt_length_decoder"], Le + Ld, \
+        int(kw.get("hypernet_bias", False))
+    local = 2 * (d * b + beta * b) + 2 * (b * di + beta * di)                  # D_k, D_v, U_k, U_v of one block
+    if kw["variant"] == "share":
+        return d * l * T + M * local
+    if kw["variant"] == "sep":
+        return d * l * T + M * T * local
+    t1, t, e = kw["task_embedding_dim"], kw["layer_task_dim"], kw["projection_hidden"]
+    out = d * b + b * di + beta * (b + di)
+    return d * l * T + T * t1 + M * t1 + (2 * t1 * e + beta * e) + (e * t + beta * t) + 2 * (t * out + beta * out)
+
+
+@pytest.mark.parametrize("name", SETUPS)
+@pytest.mark.parametrize("shape", [dict(d_model=32, num_heads=4, d_kv=8, num_layers=2, num_decoder_layers=2),
+                                   dict(d_model=48, num_heads=6, d_kv=8, num_layers=3, num_decoder_layers=1),
+                                   dict(d_model=24, num_heads=4, d_kv=12, num_layers=2, num_decoder_layers=2)])
+@pytest.mark.parametrize("n_tasks", [1, 5])
+def test_formula_equals_extra_parameters(name, shape, n_tasks):
+    method, kw = SETUPS[name]
+    model = build_model(tiny_config(**shape), method, [f"t{i}" for i in range(n_tasks)], **kw)
+    counts = model.extra_parameters()
+    assert counts["total"] == expected_extra(name, shape, n_tasks)
+    assert model.parameter_formula().total == counts["total"]  # the docstring's formula, as the library codes it
+    assert counts["total"] == sum(v for k, v in counts.items() if k != "total")
+    backbone = sum(p.numel() for p in model.t5.parameters())
+    assert sum(p.numel() for p in model.parameters()) == backbone + counts["total"]
+
+
+@pytest.mark.parametrize("name", SETUPS)
+def test_full_export_round_trip(name, batch, tmp_path):
+    from safetensors.torch import load_file
+    model = perturb(make(name))
+    save_export(model, tmp_path / "full")
+    again = build_model(str(tmp_path / "full")).eval()
+    assert type(again) is type(model) and again.cfg == model.cfg and again.tasks == model.tasks
+    assert torch.equal(logits(again, batch), logits(model, batch))
+    save_task_params(model, tmp_path / "task")
+    saved = load_file(str(tmp_path / "task" / "task_params.safetensors"))
+    assert sum(t.numel() for t in saved.values()) == model.extra_parameters()["total"]
+    assert not any(k.startswith("t5.") for k in saved)
+
+
+@pytest.mark.parametrize("name", SETUPS)
+def test_frozen_task_params_equal_dynamic_and_skip_generators(name, batch, monkeypatch):
+    model = perturb(make(name))
+    dynamic = logits(model, batch)
+    with torch.no_grad():
+        gen = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                             max_new_tokens=4)
+    model.freeze_task_params()
+    assert model.task_params_frozen and model.prompts_frozen  # the old name still answers
+    monkeypatch.setattr(model, "generate_task_tensors", lambda *a: (_ for _ in ()).throw(AssertionError("called")))
+    assert torch.equal(logits(model, batch), dynamic)
+    with torch.no_grad():
+        assert torch.equal(model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                          max_new_tokens=4), gen)
+    monkeypatch.undo()
+    model.train()
+    assert not model.task_params_frozen
+    model.freeze_prompts()  # train.py's name for the same thing
+    assert model.task_params_frozen
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_generators_run_for_all_tasks_whatever_the_batch(name, batch):
+    """ZeRO-3: the same module calls on every rank, whatever tasks its batch holds."""
+    model = make(name)
+    calls = []
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: calls.append(n))
+             for n, m in model.named_modules() if n and not n.startswith("t5")]
+    logits(model, {**batch, "task_ids": torch.zeros(4, dtype=torch.long)})
+    first, calls[:] = list(calls), []
+    logits(model, {**batch, "task_ids": torch.tensor([2, 1, 2, 1])})
+    for h in hooks:
+        h.remove()
+    assert first and calls == first
+
+
+@pytest.mark.parametrize("name", SETUPS)
+def test_attention_stats_run_for_every_method(name, batch):
+    stats = perturb(make(name)).attention_stats(batch)
+    assert [len(stats[side]) for side in ("encoder", "decoder")] == [2, 2]
+    for side in ("encoder", "decoder"):
+        for s in stats[side]:
+            assert s["token_entropy"] > 0
+            assert (s["prompt_mass"] > 0) == (name.startswith("hyperprompt"))  # only hyper-prompts are prompts
+
+
+@pytest.mark.parametrize("name", WITH_TASK_PARAMS)
+def test_task_ids_are_required(name, batch):
+    model = make(name)
+    with pytest.raises(ValueError, match="task_ids"):
+        model(**{**batch, "task_ids": None})
+
+
+# ---- prompt tuning --------------------------------------------------------------------------------------------
+def test_prompt_tuning_equals_stock_t5_with_prompt_embeddings(batch):
+    model = perturb(make("prompt_tuning"))
+    stock = stock_copy(model)
+    l, d = 3, 32
+    prompts = model.prompts.weight.detach().view(3, l, d)[batch["task_ids"]]          # [batch, l, d]
+    embeds = torch.cat([prompts, stock.shared(batch["input_ids"])], dim=1)
+    mask = torch.cat([torch.ones(4, l, dtype=torch.long), batch["attention_mask"]], dim=1)
+    with torch.no_grad():
+        ref = stock(inputs_embeds=embeds, attention_mask=mask, labels=batch["labels"])
+        out = model(**batch)
+        assert (out.logits - ref.logits).abs().max() <= 1e-5
+        assert abs(out.loss.item() - ref.loss.item()) <= 1e-5
+        ours = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                              max_new_tokens=5, num_beams=2)
+        assert torch.equal(ours, stock.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=5,
+                                                num_beams=2))
+    # prompts are what make the difference: without them the model is stock T5
+    with torch.no_grad():
+        plain = stock(**{k: v for k, v in batch.items() if k != "task_ids"}).logits
+    assert (plain - out.logits).abs().max() > 1e-3
+
+
+def test_prompt_tuning_inits():
+    model = make("prompt_tuning", prompt_length=4, prompt_init="random")
+    w = model.prompts.weight
+    assert w.min() >= -0.5 and w.max() <= 0.5 and w.std() > 0.2
+    emb = make("prompt_tuning").t5.shared.weight.detach()
+    for init in ("vocab", "labels"):  # labels without label ids: vocab
+        model = make("prompt_tuning", prompt_length=4, prompt_init=init)
+        rows = model.prompts.weight.detach().view(-1, 32)
+        pool = emb[3:]
+        assert all((pool - r).abs().max(1).values.min() == 0 for r in rows)  # each row is a vocabulary embedding
+    model = make("prompt_tuning", prompt_length=4, prompt_init="labels")
+    model.init_prompts([[5, [6, 7]], [8], [9, 10, 11, 12, 13]])
+    p = model.prompts.weight.detach().view(3, 4, 32)
+    assert torch.equal(p[0, 0], emb[5]) and torch.allclose(p[0, 1], (emb[6] + emb[7]) / 2)
+    assert torch.equal(p[1, 0], emb[8]) and torch.equal(p[2], emb[9:13])  # labels first, at most l of them
+    assert (emb[3:] - p[1, 1]).abs().max(1).values.min() == 0  # then sampled vocabulary
+    with pytest.raises(ValueError, match="token_ids_per_task"):
+        model.init_prompts([[5]])
+
+
+# ---- adapter and HyperFormer++: blocks by hand ---------------------------------------------------------------
+def hand_self_attention(attn, rel, h, key_mask, causal):
+    b, n, _ = h.shape
+    heads, dkv = attn.n_heads, attn.key_value_proj_dim
+    split = lambda x: x.view(b, n, heads, dkv).transpose(1, 2)
+    q, k, v = (split(h @ lin.weight.T) for lin in (attn.q, attn.k, attn.v))
+    allowed = key_mask[:, None, None, :].bool().expand(b, 1, n, n)
+    if causal:
+        allowed = allowed & torch.ones(n, n, dtype=torch.bool).tril()
+    scores = q @ k.transpose(-1, -2) + rel.compute_bias(n, n) + torch.where(allowed, 0.0, torch.finfo(h.dtype).min)
+    return (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, n, heads * dkv) @ attn.o.weight.T
+
+
+def adapter_by_hand(model, side, layer, kind, y, task_ids):
+    """y + U(ReLU(D y + c)) + u with the raw parameters of each row's task."""
+    a = model.adapters[f"{side}_{layer}_{kind}"]
+    out = []
+    for row, task in enumerate(task_ids.tolist()):
+        h = torch.relu(y[row] @ a.down_weight[task].T + a.down_bias[task])
+        out.append(y[row] + h @ a.up_weight[task].T + a.up_bias[task])
+    return torch.stack(out)
+
+
+BLOCK_TYPE = {"ffn": 0, "attention": 1}  # HyperFormer's code: 0 = feed-forward, 1 = self-attention
+
+
+def hyperformer_weights_by_hand(model, side, layer, kind, task):
+    """embeddings -> projector (Linear, ReLU, Linear) -> LayerNorm -> generators, from the raw parameters."""
+    c = model.controllers[side]
+    x = torch.cat([model.task_embeddings.weight[task], c.layer_embeddings.weight[layer],
+                   c.type_embeddings.weight[BLOCK_TYPE[kind]]])
+    w1, w2 = c.projector[0], c.projector[2]
+    z = w2.weight @ torch.relu(w1.weight @ x + w1.bias) + w2.bias
+    e = (z - z.mean()) / torch.sqrt(z.var(unbiased=False) + 1e-6) * c.norm.weight + c.norm.bias
+    gen = lambda lin: lin.weight @ e + lin.bias
+    d = model.t5.config.d_model
+    b = d // model.cfg.reduction_factor
+    return dict(D=gen(c.down_weight).view(b, d), c=gen(c.down_bias), U=gen(c.up_weight).view(d, b),
+                u=gen(c.up_bias), gamma=gen(c.ln_weight), beta=gen(c.ln_bias))
+
+
+def hyperformer_by_hand(model, side, layer, kind, y, task_ids):
+    """y + LN_{gamma, beta}(U ReLU(D y + c) + u) with weights re-computed from the raw parameters."""
+    out = []
+    for row, task in enumerate(task_ids.tolist()):
+        w = hyperformer_weights_by_hand(model, side, layer, kind, task)
+        z = torch.relu(y[row] @ w["D"].T + w["c"]) @ w["U"].T + w["u"]
+        z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        out.append(y[row] + z * w["gamma"] + w["beta"])
+    return torch.stack(out)
+
+
+def capture(module, store, key):
+    """Record a module's first input and first output."""
+    def hook(m, args, kwargs, out):
+        store[key] = (args[0] if args else kwargs["hidden_states"], out[0] if isinstance(out, tuple) else out)
+    return module.register_forward_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("name", ["adapter", "adapter-ffn", "adapter-attention", "hyperformer"])
+@pytest.mark.parametrize("side,layer", [("encoder", 1), ("decoder", 1)])
+def test_block_equals_hand_written_adapters(name, side, layer, batch):
+    model = perturb(make(name))
+    stock = stock_copy(model)
+    stack, ref_stack = getattr(model.t5, side), getattr(stock, side)
+    block, ref = stack.block[layer], ref_stack.block[layer]
+    seen = {}
+    hooks = [capture(block, seen, "block"), capture(block.layer[1], seen, "second")]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+    sites = {"adapter": ("attention", "ffn"), "adapter-ffn": ("ffn",), "adapter-attention": ("attention",),
+             "hyperformer": ("attention", "ffn")}[name]
+    by_hand = hyperformer_by_hand if name == "hyperformer" else adapter_by_hand
+    tids = batch["task_ids"]
+
+    def adapt(kind, y):
+        return by_hand(model, side, layer, kind, y, tids) if kind in sites else y
+
+    h = seen["block"][0]
+    key_mask = batch["attention_mask"] if side == "encoder" else torch.ones(h.shape[:2], dtype=torch.long)
+    rel = ref_stack.block[0].layer[0].SelfAttention
+    with torch.no_grad():
+        sa = ref.layer[0]
+        attn = hand_self_attention(sa.SelfAttention, rel, sa.layer_norm(h), key_mask, causal=side == "decoder")
+        h1 = h + adapt("attention", attn)
+        # the decoder's cross-attention is not adapted: take its output from the run, after checking its input
+        if side == "decoder":
+            assert (seen["second"][0] - h1).abs().max() <= 1e-4
+            h1 = seen["second"][1]
+        ff = ref.layer[-1]
+        y = ff.DenseReluDense(ff.layer_norm(h1))
+        out = h1 + adapt("ffn", y)
+        plain = h1 + y
+    real = key_mask.bool()
+    assert (seen["block"][1][real] - out[real]).abs().max() <= 1e-4
+    if "ffn" in sites:  # the adapters do change the block
+        assert (seen["block"][1][real] - plain[real]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_hyperformer_weights_equal_recomputation_from_raw_parameters(side):
+    model = perturb(make("hyperformer"))
+    table = model.generate_task_tensors()
+    for layer in range(2):
+        for kind in ("attention", "ffn"):
+            D, c, U, u, gamma, beta = table[(side, layer, kind)]
+            for task in range(3):
+                ref = hyperformer_weights_by_hand(model, side, layer, kind, task)
+                for got, want in ((D, "D"), (c, "c"), (U, "U"), (u, "u"), (gamma, "gamma"), (beta, "beta")):
+                    assert (got[task] - ref[want]).abs().max() <= 1e-5, (layer, kind, want)
+    # layers, block types and tasks all make a difference
+    assert (table[(side, 0, "ffn")][0] - table[(side, 1, "ffn")][0]).abs().max() > 1e-3
+    assert (table[(side, 0, "ffn")][0] - table[(side, 0, "attention")][0]).abs().max() > 1e-3
+    assert (table[(side, 0, "ffn")][0][0] - table[(side, 0, "ffn")][0][1]).abs().max() > 1e-3
+
+
+def test_hyperformer_defaults_follow_the_released_config():
+    cfg = ModelConfig(method="hyperformer")
+    assert (cfg.reduction_factor, cfg.hyperformer_task_dim, cfg.hyperformer_projected_dim,
+            cfg.hyperformer_hidden_dim) == (32, 64, 64, 128)
+    with torch.device("meta"):  # no memory: shapes only
+        meta = build_model("t5-base", "hyperformer", ["rte", "mrpc"])
+    assert meta.bottleneck == 24  # T5-Base: 768 // 32, as the paper reports
+
+
+def test_hyperformer_reduction_factor_must_leave_a_bottleneck():
+    with pytest.raises(ConfigError, match="model.reduction_factor"):
+        make("hyperformer", reduction_factor=64)  # d_model 32
+
+
+# ---- config: which fields a method uses ----------------------------------------------------------------------
+def test_method_fields_cover_the_config():
+    names = {f for f in ModelConfig.__dataclass_fields__}
+    used = set(COMMON_FIELDS).union(*METHOD_FIELDS.values())
+    assert used == names
+    assert set(METHOD_FIELDS) == set(METHODS)
+    from hpsearch.model import METHOD_CLASSES
+    assert set(METHOD_CLASSES) == set(METHODS)
+
+
+@pytest.mark.parametrize("kw,expected", [
+    (dict(method="mtl"), set()),
+    (dict(method="hyperprompt", variant="share", placement="encoder"),
+     {"variant", "placement", "prompt_length_encoder", "bottleneck", "hypernet_bias", "train_task_params_only"}),
+    (dict(method="hyperprompt", variant="global", placement="decoder"),
+     {"variant", "placement", "prompt_length_decoder", "bottleneck", "hypernet_bias", "train_task_params_only",
+      "task_embedding_dim", "layer_task_dim", "projection_hidden"}),
+    (dict(method="prompt_tuning"), {"prompt_length", "prompt_init", "train_task_params_only"}),
+    (dict(method="adapter"), {"bottleneck", "adapter_sites", "train_task_params_only"}),
+    (dict(method="hyperformer"), {"reduction_factor", "hyperformer_task_dim", "hyperformer_projected_dim",
+                                  "hyperformer_hidden_dim", "train_task_params_only"}),
+])
+def test_active_fields(kw, expected):
+    assert ModelConfig(**kw).active_fields() == expected | set(COMMON_FIELDS)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(method="prompt_tuning", prompt_init="text"), "model.prompt_init: 'text' is not one of random, vocab"),
+    (dict(method="prompt_tuning", prompt_length=0), r"model.prompt_length: 0 is out of range"),
+    (dict(method="adapter", adapter_sites="cross"), "model.adapter_sites: 'cross' is not one of ffn"),
+    (dict(method="hyperformer", reduction_factor=0), "model.reduction_factor: 0 is out of range"),
+    (dict(method="hyperformer", hyperformer_hidden_dim=-1), "model.hyperformer_hidden_dim"),
+    (dict(method="lora"), "model.method: 'lora' is not one of mtl, hyperprompt, prompt_tuning, adapter"),
+])
+def test_bad_method_fields_are_one_line_config_errors(bad, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        build_model(tiny_config(), bad.pop("method"), TASKS, **bad)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,34 @@
+"""`python -m hpsearch.params` for every method: meta device (no download, no memory), formula terms printed."""
+import json
+
+import pytest
+
+from hpsearch.config import load_config
+from hpsearch.model.config import METHODS
+from hpsearch.params import count, main
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("backbone", ["t5-base", "t5-11b"])
+def test_every_method_counts_on_the_meta_device(method, backbone, capsys):
+    report = count(load_config(None, [f"model.method={method}", f"model.backbone={backbone}"]), 8)
+    assert report["method"] == method
+    assert report["extra_params"] == report["formula_total"] == sum(report["extra_breakdown"].values())
+    assert main([f"model.method={method}", f"model.backbone={backbone}", "--num-tasks", "8"]) == 0
+    text = capsys.readouterr().out
+    assert f"formula: {report['formula']}" in text and f"= {report['formula_total']:,}" in text
+    for symbol, value in report["formula_terms"].items():
+        assert f"{symbol}={value:,}" in text
+
+
+def test_baselines_sizes_on_t5_base(capsys):
+    """Anchors from the papers / definitions, T5-Base (d = 768, 12 + 12 blocks), 8 tasks."""
+    run = lambda *o: count(load_config(None, ["model.backbone=t5-base", *o]), 8)
+    assert run("model.method=prompt_tuning", "model.prompt_length=16")["extra_params"] == 8 * 16 * 768
+    adapter = run("model.method=adapter", "model.bottleneck=24", "model.adapter_sites=ffn")
+    assert adapter["extra_params"] == 8 * 24 * (2 * 768 * 24 + 24 + 768)
+    hyperformer = run("model.method=hyperformer")
+    assert hyperformer["formula_terms"]["b"] == 24                         # 768 // 32, the paper's T5-Base b
+    assert round(hyperformer["extra_percent"] / 8, 2) == 0.29              # the paper: 0.29 % per task
+    assert main(["model.method=hyperformer", "model.backbone=t5-base", "--num-tasks", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["formula_total"] == hyperformer["extra_params"]
