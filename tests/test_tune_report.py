@@ -139,3 +139,12 @@ def test_yardsticks_flag_trials_below_majority_and_ties(tmp_path, monkeypatch):
     assert flags["a"] is False and flags["b"] is True and flags["c"] is False  # 60, 62.5, 55 vs 61
     metrics, _ = report.summary(built)
     assert metrics["majority_score"] == 61.0 and metrics["test_majority_score"] == 60.0
+
+
+def test_deterministic_failures_are_not_retried():
+    from hpsearch.tune.study import deterministic
+    assert deterministic("non-finite loss (nan) at step 7: stopping the run")
+    assert deterministic("hpsearch.errors.DataError: data.tasks: rte has no training rows")
+    assert deterministic("UserError: checkpoint /x: refused, it holds posix.system, not only weights")
+    assert not deterministic("RuntimeError: Connection reset by peer")
+    assert not deterministic("ray.exceptions.ActorDiedError: The actor died unexpectedly")

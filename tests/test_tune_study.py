@@ -88,6 +88,12 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
             assert "task_params" in artifacts(client, run_id)
             assert artifacts(client, run_id, "task_params")
     assert any(c.data.tags["hpsearch.outcome"] == "complete" for c in children)
+    # disk: the study keeps the exports of complete trials, not the checkpoints only a resume needed
+    study_dir = tmp_path / "runs" / "e2e"
+    assert not list(study_dir.glob("train/*/checkpoint_*")) and not list(study_dir.glob("trials/*/best"))
+    complete = [c.data.tags["hpsearch.trial_id"] for c in children if c.data.tags["hpsearch.outcome"] == "complete"]
+    assert all((study_dir / "trials" / t / "model" / "model.safetensors").is_file() for t in complete)
+    assert "MB of checkpoints only a resume needed were removed" in out.stdout
 
     # one after another: each trial's run starts after the previous one ended
     spans = sorted((c.info.start_time, c.info.end_time) for c in children)

@@ -5,6 +5,8 @@ Anything else is a local checkpoint directory or a hub id (e.g. `google-t5/t5-ba
 """
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import T5Config, T5ForConditionalGeneration
@@ -47,14 +49,37 @@ def named_config(name: str, vocab_size: int | None = None, dropout: float | None
                     pad_token_id=0, eos_token_id=1)
 
 
+@contextmanager
+def _quiet_hub():
+    """The hub client logs its failed requests itself; the one-line error below says it all."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def backbone_config(backbone, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
     """The T5Config of a backbone, without building weights (hub/local: reads the config file only)."""
     if isinstance(backbone, T5Config):
         return backbone
     if is_named_shape(backbone):
         return named_config(backbone, vocab_size, dropout)
+    folder = Path(str(backbone)).expanduser()
+    if folder.is_dir():  # T5Config.from_pretrained would answer a default config for any folder
+        weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+        if not (folder / "config.json").is_file() or not any((folder / w).is_file() for w in weights):
+            raise ConfigError(f"model.backbone: {backbone} is not a checkpoint (expected config.json and "
+                              "model.safetensors or pytorch_model.bin in it, an hpsearch export with "
+                              "hpsearch_model.json, or a named shape)")
+    elif any(c in str(backbone) for c in "/\\") and str(backbone).startswith((".", "/", "~")):
+        raise ConfigError(f"model.backbone: {backbone}: no such directory")
     try:
-        config = T5Config.from_pretrained(backbone)
+        with _quiet_hub():
+            config = T5Config.from_pretrained(backbone)
     except Exception as e:  # no internet, no such path: a user mistake, one line
         raise ConfigError(f"model.backbone: cannot load a T5 config from {backbone!r} "
                           f"({type(e).__name__}); expected a named shape ({', '.join(NAMED_SHAPES)}), "
@@ -62,6 +87,16 @@ def backbone_config(backbone, vocab_size: int | None = None, dropout: float | No
     if dropout is not None:
         config.dropout_rate = dropout
     return config
+
+
+def check_local_backbone(backbone: str) -> None:
+    """Before anything starts: a local backbone folder (not a hub id: that needs the network) must be a checkpoint
+    or an hpsearch export; else a one-line ConfigError."""
+    folder = Path(str(backbone)).expanduser()
+    if (folder / "hpsearch_model.json").is_file():
+        return
+    if folder.is_dir() or str(backbone).startswith((".", "/", "~")):
+        backbone_config(backbone)
 
 
 def load_backbone(backbone, vocab_size: int | None = None, dropout: float | None = None

@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
     absolute_paths(cfg)  # workers run elsewhere: train.output_dir and data paths are this directory's
     from hpsearch.data import load_suite
     load_suite(cfg.data)  # data mistakes fail here, before any worker starts
+    from hpsearch.model import check_local_backbone
+    check_local_backbone(cfg.model.backbone)
     if args.resume_from and not (Path(args.resume_from) / "state").is_dir():
         raise UserError(f"--resume-from: {args.resume_from} is not a checkpoint (expected a directory holding "
                         "state/, e.g. <train.output_dir>/checkpoints/step_N)")

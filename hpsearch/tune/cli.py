@@ -123,10 +123,9 @@ def _check_data(cfg) -> None:
 
 
 def _check_backbone(cfg) -> None:
-    """A local checkpoint directory must hold a T5 config (a hub id is left to the trials: it downloads)."""
-    if Path(cfg.model.backbone).is_dir():
-        from hpsearch.model import backbone_config
-        backbone_config(cfg.model.backbone)
+    """A local backbone folder must be a checkpoint (a hub id is left to the trials: it downloads)."""
+    from hpsearch.model import check_local_backbone
+    check_local_backbone(cfg.model.backbone)
 
 
 def _check_storage(study_dir: Path) -> None:
@@ -225,8 +224,11 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     report_dir = study.dir / "report"
     shutil.rmtree(report_dir, ignore_errors=True)
     report = reporting.build(study, result_grid, report_dir / "plots")
+    freed, kept = study.prune()  # the study is over: no resume will need its checkpoints
     ui = f"MLflow: {parent.tracking_uri}, study run {parent.run_id}; open the UI: {ui_command(parent.tracking_uri)}"
-    text = reporting.render(report, elapsed, ui)
+    disk = (f"Disk: {kept / 2**20:.1f} MB in {study.dir} (exports and logs; {freed / 2**20:.1f} MB of checkpoints "
+            "only a resume needed were removed)")
+    text = reporting.render(report, elapsed, f"{disk}\n{ui}")
     print(text, flush=True)
     metrics, tags = reporting.summary(report)
     parent.log_report(metrics, tags, reporting.files(report, text), report_dir / "plots")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,16 @@ class Study:
             return "failed"
         return "complete" if last_result.get("step", 0) >= self.space.config.train.max_steps else "stopped"
 
+    def prune(self) -> tuple[int, int]:
+        """At the study's end: remove what only a resume needed (Ray Train's checkpoints of each trial, the ZeRO
+        shards of its best model, optimizer states included); keep the exports (`trials/<id>/model`,
+        `task_params`, config, metrics). Returns (bytes freed, bytes the study folder still holds)."""
+        doomed = [*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("trials/*/best")]
+        freed = sum(_size(p) for p in doomed)
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return freed, _size(self.dir)
+
     # ---- the state a resume needs -----------------------------------------------------------------------------
     @property
     def state_file(self) -> Path:
@@ -59,6 +71,10 @@ class Study:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(state, indent=2) + "\n")
         (self.dir / SPACE_COPY).write_text(state["space_text"])
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def load_state(study_dir: Path) -> dict:
@@ -89,7 +105,7 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
     trial_id = ray.tune.get_context().get_trial_id()
     cfg = study.trial_config(config, trial_id)
     marker = Path(cfg.train.output_dir, "FAILED")
-    if marker.is_file():  # a deterministic failure (non-finite loss): a retry would only fail again
+    if marker.is_file():  # a deterministic failure (non-finite loss, bad data or config): a retry would fail again
         raise TrialFailed(marker.read_text().strip())
     trainer = build_trainer(cfg, name=trial_id, storage_path=str(study.dir / "train"),
                             callbacks=[TuneReportCallback()])  # rank 0's reports go to Tune
@@ -97,10 +113,16 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
         trainer.fit()
     except Exception as e:  # Ray Train wraps the worker's error with its traceback
         reason = failure_reason(e)
-        if "non-finite loss" in reason:
+        if deterministic(reason):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(reason + "\n")
         raise TrialFailed(reason) from None
+
+
+def deterministic(reason: str) -> bool:
+    """A failure that a retry would repeat: a non-finite loss, or a user error (config, data, checkpoint) that only
+    showed in a worker. Crashes, lost nodes and the like are retried."""
+    return "non-finite loss" in reason or bool(re.match(r"(hpsearch\.errors\.)?(User|Config|Data)Error\b", reason))
 
 
 # ---- Ray and the Tuner --------------------------------------------------------------------------------------------
