@@ -263,7 +263,9 @@ class TrialRuns(LoggerCallback):
         run = self.client.create_run(self.experiment_id, run_name=f"trial_{trial.trial_id}", tags={
             PARENT_TAG: self.parent_run_id, STUDY_TAG: self.study, TRIAL_TAG: trial.trial_id, ROLE_TAG: "trial",
             "hpsearch.searched": ",".join(sorted(trial.config))})
-        flat = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in cfg.flat().items()}
+        active = {f"model.{name}" for name in cfg.model.active_fields()}  # a sep trial logs no layer_task_dim
+        flat = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in cfg.flat().items()
+                if not k.startswith("model.") or k in active}
         _log_batches(self.client, run.info.run_id, params=[Param(k, str(v)) for k, v in flat.items()])
         from hpsearch.config import dump_yaml
         _log_text(self.client, run.info.run_id, dump_yaml(cfg), "config.yaml")

@@ -216,3 +216,49 @@ def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
     states = [t.state for t in searcher._ot_study.trials]
     assert states == [TrialState.COMPLETE, TrialState.PRUNED]
     assert searcher._ot_study.trials[0].value == 0.5  # Optuna is told the best-validation score, not the last
+
+
+def test_method_is_a_searched_axis_with_its_own_fields():
+    space = load_space(SPACES / "methods.yaml")
+    assert space.param("model.method").choices == ["mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer"]
+    seen = {}
+    for method in space.param("model.method").choices:  # each method draws only its own fields
+        trial = optuna.trial.FixedTrial({"model.method": method, "model.variant": "global", "model.placement": "both",
+                                         "model.prompt_length_encoder": 4, "model.prompt_length_decoder": 2,
+                                         "model.bottleneck": 8, "model.prompt_length": 8, "model.prompt_init": "vocab",
+                                         "model.adapter_sites": "ffn", "model.reduction_factor": 4})
+        space.define_by_run()(trial)
+        seen[method] = set(trial.params)
+        cfg = space.trial_config(trial.params)
+        assert {f"model.{f}" for f in cfg.model.active_fields()} >= seen[method] - {"model.method"}
+    assert seen["mtl"] == {"model.method"}
+    assert seen["prompt_tuning"] == {"model.method", "model.prompt_length", "model.prompt_init"}
+    assert seen["adapter"] == {"model.method", "model.bottleneck", "model.adapter_sites"}
+    assert "model.variant" in seen["hyperprompt"] and "model.prompt_length" not in seen["hyperprompt"]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("""\
+     name: t
+     search:
+       model.method: {type: categorical, choices: [mtl, adapter]}
+       model.variant: {type: categorical, choices: [share, sep]}
+     """, r"space.yaml:4: search.model.variant: no method it is searched under uses it \(mtl, adapter\); variant "
+         r"belongs to hyperprompt"),
+    ("""\
+     name: t
+     search:
+       model.method: {type: categorical, choices: [mtl, adapter, prompt_tuning]}
+       model.prompt_length: {type: int, low: 1, high: 8, when: {model.method: [mtl, adapter]}}
+     """, r"search.model.prompt_length: no method it is searched under uses it \(mtl, adapter\)"),
+    ("""\
+     name: t
+     model: {method: mtl}
+     search:
+       model.bottleneck: {type: categorical, choices: [8, 16]}
+     """, r"search.model.bottleneck: no method it is searched under uses it \(mtl\); bottleneck belongs to "
+         r"hyperprompt, adapter"),
+])
+def test_a_field_no_chosen_method_uses_is_an_error(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_space(write(tmp_path, text))

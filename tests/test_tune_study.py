@@ -76,7 +76,14 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
         assert child.info.status == "FINISHED"
         searched = child.data.tags["hpsearch.searched"].split(",")
         assert {"model.variant", "model.placement", "train.lr"} <= set(searched)
-        assert set(searched) <= set(child.data.params) and child.data.params["model.backbone"] == "t5-tiny"
+        assert child.data.params["model.backbone"] == "t5-tiny"
+        params = child.data.params  # only what the trial used: no inactive conditional field
+        assert set(searched) - {"model.prompt_length_encoder", "model.prompt_length_decoder",
+                                "model.layer_task_dim"} <= set(params)
+        assert ("model.layer_task_dim" in params) == (params["model.variant"] == "global")
+        assert ("model.prompt_length_decoder" in params) == (params["model.placement"] != "encoder")
+        assert ("model.prompt_length_encoder" in params) == (params["model.placement"] != "decoder")
+        assert "model.prompt_length" not in params and "model.reduction_factor" not in params
         outcome = child.data.tags["hpsearch.outcome"]
         expected = [10, 20] if outcome == "complete" else [10]
         assert outcome in ("complete", "stopped")

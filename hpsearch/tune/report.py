@@ -192,7 +192,7 @@ def trials_table(report: Report):
     metrics = [*dict.fromkeys([*SUMMARY_METRICS, *(o.metric for o in space.objectives)])]
     records = []
     for row in report.rows:
-        rec = {"trial": row.trial_id, "outcome": row.outcome}
+        rec = {"trial": row.trial_id, "outcome": row.outcome, "method": _method(report, row)}
         rec.update({m: row.metrics.get(m) for m in metrics})
         majority = row.metrics.get("majority_score")
         rec["beats_majority"] = (None if not (_finite(majority) and _finite(row.metrics.get("best_score")))
@@ -209,9 +209,19 @@ def trials_table(report: Report):
 def pareto_table(report: Report):
     import pandas as pd
     space = report.study.space
-    return pd.DataFrame.from_records([{"trial": r.trial_id, **{o.final_metric: o.final_value(r.metrics)
+    return pd.DataFrame.from_records([{"trial": r.trial_id, "method": _method(report, r),
+                                       **{o.final_metric: o.final_value(r.metrics)
                                                                  for o in space.objectives}, **r.config}
                                       for r in report.pareto])
+
+
+def _method(report: Report, row: TrialRow) -> str:
+    """The trial's method, with HyperPrompt's variant (the method is searched or fixed by the space)."""
+    cfg = report.study.space.config.model
+    method = row.config.get("model.method", cfg.method)
+    if method == "hyperprompt":
+        return f"hyperprompt-{row.config.get('model.variant', cfg.variant)}"
+    return method
 
 
 def importance_table(report: Report):

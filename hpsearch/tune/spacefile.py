@@ -246,6 +246,25 @@ def _validate_params(space: SearchSpace, at) -> None:
     space.params = list(seen.values())
     space.points_to_evaluate = [{k: v for k, v in point.items() if k not in dropped | set(space.pinned)}
                                 for point in space.points_to_evaluate]
+    _check_methods(space, at)
+
+
+def _check_methods(space: SearchSpace, at) -> None:
+    """Every searched model field is used by some method it can be searched under (`model.method` searched or
+    fixed, narrowed by the field's `when: {model.method: [...]}`)."""
+    from hpsearch.model.config import COMMON_FIELDS, METHOD_FIELDS
+
+    method = next((p for p in space.params if p.name == "model.method"), None)
+    methods = list(method.choices) if method else [space.config.model.method]
+    for p in space.params:
+        section, _, name = p.name.partition(".")
+        if section != "model" or name in COMMON_FIELDS:
+            continue
+        possible = [m for m in methods if m in p.when.get("model.method", methods)]
+        if not any(name in METHOD_FIELDS[m] for m in possible):
+            users = [m for m, used in METHOD_FIELDS.items() if name in used]
+            raise ConfigError(f"{at(f'search.{p.name}')}: search.{p.name}: no method it is searched under uses it "
+                              f"({', '.join(possible)}); {name} belongs to {', '.join(users) or 'no method'}")
 
 
 def _check_field(p: Param, cfg: RunConfig, at) -> None:
