@@ -487,3 +487,21 @@ def test_bad_method_fields_are_one_line_config_errors(bad, match):
     with pytest.raises(ConfigError, match=match) as e:
         build_model(tiny_config(), bad.pop("method"), TASKS, **bad)
     assert "\n" not in str(e.value)
+
+
+def test_prompt_tuning_labels_init_through_the_generic_hook():
+    """The trainer calls `init_task_params(label token ids)` on every model; prompt tuning with `labels` init then
+    starts from the class labels' embeddings (a multi-token label: their mean), the vocabulary after them."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(), "prompt_tuning", ["a", "b"], prompt_length=3, prompt_init="labels")
+    model.init_task_params([[[5], [7, 8]], [[9]]])
+    prompts = model.prompts.weight.detach().view(2, 3, -1)
+    embed = model.t5.encoder.embed_tokens.weight.detach()
+    assert torch.allclose(prompts[0, 0], embed[5]) and torch.allclose(prompts[0, 1], (embed[7] + embed[8]) / 2)
+    assert torch.allclose(prompts[1, 0], embed[9])
+    vocab = build_model(tiny_config(), "prompt_tuning", ["a", "b"], prompt_length=3, prompt_init="vocab")
+    before = vocab.prompts.weight.detach().clone()
+    vocab.init_task_params([[[5]], [[9]]])  # other inits ignore label tokens
+    assert torch.equal(vocab.prompts.weight.detach(), before)
+    mtl = build_model(tiny_config(), "mtl", ["a", "b"])
+    mtl.init_task_params([[[5]], [[9]]])  # a no-op for methods without such an init

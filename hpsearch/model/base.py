@@ -118,6 +118,10 @@ class MultiTaskT5(nn.Module):
     def parameter_formula(self) -> Formula:
         return Formula("0")
 
+    def init_task_params(self, label_token_ids: list[list[list[int]]] | None = None) -> None:
+        """Initialise task parameters from each task's class-label tokens (`label_token_ids[task][label]`), once,
+        before training and before ZeRO-3 partitions the model. Most methods: nothing to do."""
+
     def extra_parameters(self) -> dict[str, int]:
         """Trainable parameters the method adds beyond the backbone, per component and under "total"."""
         counts = {name: count_trainable(m) for name, m in self.named_children() if name != "t5"}

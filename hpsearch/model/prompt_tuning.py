@@ -42,6 +42,10 @@ class PromptTuningT5(MultiTaskT5):
         self.prompts = nn.Embedding(len(self.tasks), self.prompt_length * self.d_model)
         self.init_prompts()
 
+    def init_task_params(self, label_token_ids=None) -> None:
+        if self.cfg.prompt_init == "labels" and label_token_ids is not None:
+            self.init_prompts(label_token_ids)  # the class labels' embeddings, then vocabulary
+
     @torch.no_grad()
     def init_prompts(self, token_ids_per_task=None, frequent_ids=None) -> None:
         """(Re-)initialise the prompts per `cfg.prompt_init`.

@@ -45,7 +45,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from hpsearch.data import MultiTaskSampler, encode_batch, get_tokenizer, load_suite
+    from hpsearch.data import MultiTaskSampler, encode_batch, get_task, get_tokenizer, load_suite
     from hpsearch.model import build_from_config
 
     session = session or RaySession(loop_config.get("resume_from"))
@@ -58,8 +58,10 @@ def train_loop(loop_config: dict, session=None) -> dict:
     suite = load_suite(cfg.data)
     torch.manual_seed(cfg.train.seed)
     model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
-    torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, model.t5.config.vocab_size)
+    model.init_task_params([[tokenizer(word, add_special_tokens=False).input_ids for word in (spec.labels or ())]
+                            for spec in (get_task(t) for t in suite.tasks)])  # e.g. prompt tuning's `labels` init
+    torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     extra_params = model.extra_parameters()["total"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
