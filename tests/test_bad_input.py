@@ -1,0 +1,97 @@
+"""Bad input is one line on stderr, exit code 2, before anything starts: no traceback, no run folder, no MLflow
+store, no Ray session. Each case is a command a careless or hostile user ran (the audit of issue 13)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(path: Path, data: bytes | str) -> str:
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return str(path)
+
+
+def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (arguments after `python -m`, a phrase the line must hold)."""
+    notckpt = tmp / "not-a-checkpoint"
+    notckpt.mkdir()
+    (notckpt / "notes.txt").write_text("hello")
+    study = tmp / "runs" / "broken"
+    study.mkdir(parents=True)
+    (study / "hpsearch-study.json").write_text('{"name": "broken", "space_te')
+    half = tmp / "runs" / "half"
+    half.mkdir(parents=True)
+    (half / "hpsearch-study.json").write_text(json.dumps({"name": "half"}))
+    tune = ["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"]
+    return {
+        "yaml key twice": ([*tune, "--space", write(tmp / "dup.yaml", "budget: {trials: 2}\nbudget: {trials: 3}\n")],
+                           "dup.yaml:2: 'budget' is given twice (first on line 1)"),
+        "python tag": ([*tune, "--space", write(tmp / "tag.yaml", "name: !!python/object/apply:os.system [id]\n")],
+                       "tag.yaml:1: malformed YAML"),
+        "not utf-8": ([*tune, "--space", write(tmp / "latin.yaml", b"name: x\ndescription: caf\xe9\n")],
+                      "latin.yaml:2: not UTF-8"),
+        "server down": (["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri",
+                         "http://127.0.0.1:9/"], "no MLflow server answers"),
+        "sqlite nowhere": (["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri",
+                            "sqlite:////proc/x/mlflow.db"], "cannot create /proc/x"),
+        "storage nowhere": (["hpsearch.tune", "--storage-path", "/proc/x/runs", "--tracking-uri",
+                             f"sqlite:///{tmp}/mlflow.db"], "--storage-path /proc/x/runs: cannot create it"),
+        "too many workers": ([*tune, "resources.workers=64"], "one trial needs 57.7 CPU"),
+        "no gpu here": ([*tune, "resources.gpus_per_worker=1"], "GPU"),
+        "argparse type": ([*tune, "--num-samples", "abc"], "invalid int value: 'abc'"),
+        "train argparse": (["hpsearch.train", "--bogus"], "unrecognized arguments: --bogus"),
+        "corrupt study state": ([*tune, "--name", "broken", "--resume"], "hpsearch-study.json is corrupt"),
+        "incomplete study state": ([*tune, "--name", "half", "--resume"], "hpsearch-study.json is incomplete"),
+        "study backbone not a checkpoint": ([*tune, f"model.backbone={notckpt}"], "not-a-checkpoint"),
+        "params backbone not a checkpoint": (["hpsearch.params", f"model.backbone={notckpt}"], "is not a checkpoint"),
+        "params unknown backbone": (["hpsearch.params", "model.backbone=./no-such-folder"], "no such directory"),
+        "params too many tasks": (["hpsearch.params", "--num-tasks", "100000000", "model.backbone=t5-11b"],
+                                  "--num-tasks: 100000000"),
+        "params argparse": (["hpsearch.params", "--num-tasks", "x"], "invalid int value: 'x'"),
+        "train backbone not a checkpoint": (["hpsearch.train", f"model.backbone={notckpt}",
+                                             f"train.output_dir={tmp}/train-out"], "is not a checkpoint"),
+    }
+
+
+NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite nowhere", "storage nowhere",
+         "too many workers", "no gpu here", "argparse type", "train argparse", "corrupt study state",
+         "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",
+         "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    return tmp, cases(tmp)
+
+
+def test_every_case_is_listed(table):
+    assert sorted(table[1]) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_input_is_one_line_before_anything_starts(name, table, tmp_path):
+    tmp, table = table
+    args, phrase = table[name]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    before = set(Path("/tmp/ray").glob("session_2*")) if Path("/tmp/ray").is_dir() else set()
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=env)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert err.splitlines() == [err] and err.startswith("error: ") and "Traceback" not in err, err
+    assert phrase in err, err
+    assert not proc.stdout.strip(), proc.stdout[-500:]
+    assert not list(tmp_path.iterdir())  # nothing written where the command ran
+    assert not (tmp / "mlflow.db").exists()  # no MLflow store created
+    assert sorted(p.name for p in (tmp / "runs").iterdir()) == ["broken", "half"]  # no study folder
+    after = set(Path("/tmp/ray").glob("session_2*")) if Path("/tmp/ray").is_dir() else set()
+    assert after <= before  # no Ray session was started
