@@ -32,19 +32,17 @@ class TrialEvents(Callback):
         self._seen: dict[str, int] = {}
         self._ended: dict[str, str] = {}
         self._durations: list[float] = []
-        self._t0 = time.time()
 
     def __getstate__(self):  # Tune pickles callbacks with the experiment: start afresh on resume
-        return {**self.__dict__, "_started": {}, "_seen": {}, "_ended": {}, "_durations": [], "_t0": None}
+        return {**self.__dict__, "_started": {}, "_seen": {}, "_ended": {}, "_durations": []}
 
     def _say(self, text: str) -> None:
         print(f"[hpsearch.tune] {text}", file=sys.stdout, flush=True)
 
     def on_trial_start(self, iteration, trials, trial, **info):
-        self._t0 = self._t0 or time.time()
         self._started[trial.trial_id] = time.time()
         values = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(trial.config.items()))
-        self._say(f"trial {trial.trial_id} started ({len(trials)}/{self.total}): {values}")
+        self._say(f"trial {trial.trial_id} started ({len(self._started)}/{self.total}): {values}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         step = int(result.get("step", 0))
