@@ -1,0 +1,19 @@
+"""`python -m hpsearch.bench`: the project's own speed, as ratios measured interleaved in one run (issue 12).
+
+    python -m hpsearch.bench [--shape t5-small] [--tasks 8] [--reps 7] [--threads N] [--batching task|mixed]
+                             [--only GROUP ...] [--skip GROUP ...] [--json]
+
+Groups (all by default; `--only` / `--skip` select):
+    step        train step (fwd, bwd, AdamW) of every method in the registry ÷ MTL, and MTL ÷ stock T5
+    generate    greedy generation with frozen prompts ÷ MTL (and prompts generated per call, for contrast)
+    flops       achieved model FLOP/s of the stock and HyperPrompt-Global steps ÷ this machine's fp32 matmul peak
+    deepspeed   one in-process DeepSpeed rank (recipe's config; ZeRO-3 and ZeRO-0) ÷ a plain torch loop
+    checkpoint  bytes a `--local` run writes per evaluation, and what best/ and checkpoints/ keep (subprocess)
+    trial       fixed cost of a trial: `python -m hpsearch.train` at two step counts, with Ray and --local
+                (subprocesses, a few minutes even at t5-tiny: `--skip trial` for a quick look)
+
+`step`, `generate` and `flops` share one interleaved pool (one warm-up round, then `--reps` rounds); `deepspeed`
+has its own. Figures are ratios of minimum times; each is printed beside its goal, `--json` adds one JSON
+object on the last line. Nothing runs on a GPU: this measures the code's overheads on this machine's CPU.
+"""
+GROUPS = ("step", "generate", "flops", "deepspeed", "checkpoint", "trial")

@@ -1,0 +1,125 @@
+"""The command line of `python -m hpsearch.bench` (see the package docstring)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+from hpsearch.bench import GROUPS
+from hpsearch.bench import __doc__ as DOC
+from hpsearch.bench.timing import Figure
+from hpsearch.cli import run_main
+from hpsearch.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (run_main), instead of argparse's usage block
+        raise UserError(message)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(prog="python -m hpsearch.bench", description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="t5-small", help="a named T5 shape (default: t5-small)")
+    p.add_argument("--tasks", type=int, default=8, help="number of tasks (default: 8)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions after one warm-up (default: 7)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's current number)")
+    p.add_argument("--batching", choices=("task", "mixed"), default="task",
+                   help="task ids of the batch: one task (the recipe's default) or all tasks mixed")
+    p.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP", help=f"run only these: {', '.join(GROUPS)}")
+    p.add_argument("--skip", nargs="+", choices=GROUPS, metavar="GROUP", default=[], help="run all but these")
+    p.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
+    args = p.parse_args(argv)
+    for name in ("tasks", "reps", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name}: {value} is out of range; expected an integer >= 1")
+    args.groups = [g for g in (args.only or GROUPS) if g not in args.skip]
+    if not args.groups:
+        raise UserError("--only/--skip: no group left to run")
+    from hpsearch.model.backbones import NAMED_SHAPES  # imports transformers: checked last
+
+    if args.shape not in NAMED_SHAPES:
+        raise UserError(f"--shape: {args.shape!r} is not a named shape; known: {', '.join(NAMED_SHAPES)}")
+    return args
+
+
+def log(message: str) -> None:
+    print(f"[hpsearch.bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _format(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return {"ratio": f"{value:.3f}x", "fraction": f"{100 * value:.1f} %", "s": f"{value:.1f} s",
+            "x weights": f"{value:.2f}x W"}.get(unit, f"{value:.3g}")
+
+
+def table(figures: list[Figure], errors: dict[str, str]) -> str:
+    lines = [f"{'figure':<42} {'value':>10}  {'goal':>11}  {'meets':<5}  what"]
+    for f in figures:
+        goal = "-" if f.goal is None else ("<= " if f.better == "lower" else ">= ") + _format(f.goal, f.unit)
+        meets = {True: "yes", False: "NO", None: "-"}[f.meets_goal]
+        lines.append(f"{f.name:<42} {_format(f.value, f.unit):>10}  {goal:>11}  {meets:<5}  {f.what}")
+    lines += [f"{'not measured: ' + name:<42} {message}" for name, message in errors.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    groups = args.groups
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+
+    from hpsearch.bench import models, trial, zero
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    load_before = os.getloadavg()
+    header = (f"hpsearch.bench: shape {args.shape}, {args.tasks} tasks, batch {models.BATCH} x ({models.SOURCE_LEN} + "
+              f"{models.TARGET_LEN}) tokens, {args.batching} batching, reps {args.reps} (+1 warm-up), groups "
+              f"{' '.join(groups)}\nmachine: {os.cpu_count()}-core CPU ({_cpu_name()}), torch {torch.__version__}, "
+              f"{threads} torch threads, load (1/5/15 min) before {' '.join(f'{x:.2f}' for x in load_before)}")
+    print(header, flush=True)
+    figures, errors = [], {}
+    started = time.perf_counter()
+    if {"step", "generate", "flops"} & set(groups):
+        f, e = models.run(args.shape, args.tasks, set(groups), args.reps, args.batching, log)
+        figures, errors = figures + f, {**errors, **e}
+    if "deepspeed" in groups:
+        f, e = zero.run(args.shape, args.tasks, args.reps, args.batching, log)
+        figures, errors = figures + f, {**errors, **e}
+    if "checkpoint" in groups:
+        f, e = trial.run_checkpoint(args.shape, log)
+        figures, errors = figures + f, {**errors, **e}
+    if "trial" in groups:
+        f, e = trial.run_trial(args.shape, log)
+        figures, errors = figures + f, {**errors, **e}
+    load_after = os.getloadavg()
+    print(table(figures, errors))
+    print(f"load (1/5/15 min) after {' '.join(f'{x:.2f}' for x in load_after)}; "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    if args.json:
+        print(json.dumps({
+            "shape": args.shape, "tasks": args.tasks, "reps": args.reps, "warmup_rounds": 1, "groups": groups,
+            "batch": {"rows": models.BATCH, "source_tokens": models.SOURCE_LEN, "target_tokens": models.TARGET_LEN,
+                      "batching": args.batching},
+            "threads": threads, "cpu_count": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
+            "load_before": list(load_before), "load_after": list(load_after),
+            "figures": {f.name: f.to_json() for f in figures}, "errors": errors}))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

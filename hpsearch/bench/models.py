@@ -1,0 +1,218 @@
+"""Groups `step`, `generate` and `flops`: every method of the registry against MTL, MTL against stock T5.
+
+All models share one random backbone (copied, so every row starts from the same weights) and one batch of
+32 x (64 input + 8 target) tokens. A train step is forward, backward and AdamW; generation is greedy with
+exactly 8 new tokens (`min_new_tokens`: random weights would otherwise stop at different lengths). Model
+FLOPs are counted once per model with `FlopCounterMode` on forward + backward; the machine's peak is a
+square fp32 matmul timed in the same pool.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from hpsearch.bench.timing import Figure, Pool, ratio
+
+BATCH, SOURCE_LEN, TARGET_LEN = 32, 64, 8
+PEAK_N = 2048  # the square fp32 matmul that stands for the machine's peak
+LR = 1e-4
+# HyperPrompt as the issue states it: both sides, l = 16 / 6, b = 32 (the rest: ModelConfig's defaults)
+HYPERPROMPT = dict(placement="both", prompt_length_encoder=16, prompt_length_decoder=6, bottleneck=32)
+STEP_GOAL, WRAPPER_GOAL, GENERATE_GOAL, MFU_GOAL = 1.03, 1.01, 1.01, 0.5
+MFU_ROWS = ("stock", "hyperprompt-global")
+
+
+def method_rows() -> list[tuple[str, str, dict]]:
+    """(row, method, hparams): every method of the registry with its defaults; HyperPrompt once per variant."""
+    from hpsearch.model import METHOD_CLASSES
+
+    rows = []
+    for method in METHOD_CLASSES:
+        if method == "hyperprompt":
+            rows += [(f"hyperprompt-{v}", method, {**HYPERPROMPT, "variant": v}) for v in ("global", "share", "sep")]
+        else:
+            rows.append((method, method, {}))
+    return rows
+
+
+def make_batch(vocab_size: int, n_tasks: int, batching: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab_size, (BATCH, SOURCE_LEN), generator=g)
+    labels = torch.randint(2, vocab_size, (BATCH, TARGET_LEN), generator=g)
+    task_ids = torch.arange(BATCH) % n_tasks if batching == "mixed" else torch.zeros(BATCH, dtype=torch.long)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, task_ids=task_ids)
+
+
+def build_rows(shape: str, n_tasks: int) -> tuple[dict, dict[str, str]]:
+    """({row: model}, {row: error}) with row "stock" the plain T5ForConditionalGeneration."""
+    from hpsearch.model import build_model
+    from hpsearch.model.backbones import load_backbone
+
+    torch.manual_seed(0)
+    base = load_backbone(shape)
+    models, errors = {"stock": copy.deepcopy(base)}, {}
+    tasks = [f"task{i}" for i in range(n_tasks)]
+    for row, method, hparams in method_rows():
+        try:
+            torch.manual_seed(0)
+            models[row] = build_model(shape, method, tasks, t5=copy.deepcopy(base), **hparams)
+        except Exception as e:  # a method that cannot be built at this shape is a row of the report, not a crash
+            errors[f"build:{row}"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return models, errors
+
+
+def _inputs(row: str, batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k != "task_ids"} if row == "stock" else batch
+
+
+def train_step(model, row: str, batch: dict):
+    inputs = _inputs(row, batch)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+    def step():
+        model(**inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def generation(model, row: str, batch: dict):
+    kwargs = dict(max_new_tokens=TARGET_LEN, min_new_tokens=TARGET_LEN, do_sample=False, num_beams=1)
+    if row == "stock":
+        return lambda: model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+    return lambda: model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"], **kwargs)
+
+
+def has_generators(model) -> bool:
+    """True when the method makes its task tensors per call (so freezing them can save something)."""
+    from hpsearch.model import MultiTaskT5
+
+    hooks = [h for h in ("generate_task_tensors", "generate_prompts") if hasattr(MultiTaskT5, h)]
+    return isinstance(model, MultiTaskT5) and any(getattr(type(model), h) is not getattr(MultiTaskT5, h)
+                                                  for h in hooks)
+
+
+def _call_first(model, *names) -> None:
+    """Call the first of these methods the model has (the library renamed freeze_prompts -> freeze_task_params)."""
+    for name in names:
+        if hasattr(model, name):
+            getattr(model, name)()
+            return
+
+
+def _frozen(model):
+    def setup():
+        model.eval()
+        _call_first(model, "freeze_task_params", "freeze_prompts")
+    return setup
+
+
+def _dynamic(model):
+    def setup():
+        model.eval()
+        _call_first(model, "unfreeze_task_params", "unfreeze_prompts")
+    return setup
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------------------
+def _cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# torch counts SDPA's CUDA kernels only; on CPU attention runs this fused op (uncounted otherwise)
+_CPU_SDPA = {getattr(torch.ops.aten, op): fn for op, fn in (
+    ("_scaled_dot_product_flash_attention_for_cpu", _cpu_sdpa),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_sdpa_backward)) if hasattr(torch.ops.aten, op)}
+
+
+def step_flops(model, row: str, batch: dict) -> int:
+    """FLOPs of one forward + backward (matmuls and attention; AdamW's elementwise work is not model FLOPs)."""
+    model.train()
+    with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA) as counter:
+        model(**_inputs(row, batch)).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def count_flops(models: dict, rows: list[str], batch: dict) -> tuple[dict[str, int], dict[str, str]]:
+    flops, errors = {}, {}
+    for row in rows:
+        try:
+            flops[row] = step_flops(models[row], row, batch)
+        except Exception as e:
+            errors[f"flops:{row}"] = f"{type(e).__name__}: {e}"[:300]
+    return flops, errors
+
+
+def peak_matmul():
+    a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
+    out = torch.empty(PEAK_N, PEAK_N)
+    return lambda: torch.mm(a, b, out=out)
+
+
+# ---- the phase -------------------------------------------------------------------------------------------------
+def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, log) -> tuple[list, dict]:
+    log(f"building stock T5 and {len(method_rows())} method rows at {shape} ({n_tasks} tasks)")
+    models, errors = build_rows(shape, n_tasks)
+    batch = make_batch(models["stock"].config.vocab_size, n_tasks, batching)
+    pool, flops = Pool(), {}
+    step_rows = list(models) if "step" in groups else [r for r in MFU_ROWS if r in models] if "flops" in groups else []
+    for row in step_rows:
+        pool.add(f"step:{row}", train_step(models[row], row, batch), setup=models[row].train)
+    if "generate" in groups:
+        for row, model in models.items():
+            pool.add(f"generate:{row}", generation(model, row, batch), setup=_frozen(model))
+            if has_generators(model):
+                pool.add(f"generate-dynamic:{row}", generation(model, row, batch), setup=_dynamic(model))
+    if "flops" in groups:
+        pool.add("peak-matmul", peak_matmul())
+        flops, flop_errors = count_flops(models, step_rows, batch)  # every step row: its figure gets a FLOP ratio
+        errors.update(flop_errors)
+    log(f"timing {len(pool.entries)} entries interleaved: 1 warm-up + {reps} rounds")
+    timings, failed = pool.run(reps, log)
+    rows = [r for r in models if r not in ("stock", "mtl")]
+    return [f for f in figures(groups, rows, timings, flops) if f is not None], {**errors, **failed}
+
+
+def figures(groups: set[str], rows: list[str], timings: dict, flops: dict[str, int]) -> list[Figure | None]:
+    def step(row: str, base: str, goal: float, what: str) -> Figure | None:
+        figure = ratio(f"step/{row}_vs_{base}", f"step:{row}", f"step:{base}", timings, goal, what)
+        if figure and row in flops and base in flops:
+            figure.parts["flop_ratio"] = flops[row] / flops[base]  # how much of the time ratio is arithmetic
+        return figure
+
+    def generate(row: str, dynamic: bool = False) -> Figure | None:
+        mode = "_dynamic" if dynamic else ""
+        what = "prompts generated per call (contrast)" if dynamic else "frozen prompts"
+        return ratio(f"generate/{row}{mode}_vs_mtl", f"generate{mode.replace('_', '-')}:{row}", "generate:mtl",
+                     timings, None if dynamic else GENERATE_GOAL, f"greedy generation, {what}: {row} ÷ MTL")
+
+    def mfu(row: str) -> Figure | None:
+        if row not in flops or f"step:{row}" not in timings or "peak-matmul" not in timings:
+            return None
+        peak = 2 * PEAK_N ** 3 / timings["peak-matmul"].min
+        achieved = flops[row] / timings[f"step:{row}"].min
+        return Figure(f"flops/{row}_mfu", achieved / peak, MFU_GOAL, "higher", "fraction",
+                      f"achieved model FLOP/s of the {row} train step ÷ fp32 matmul peak ({PEAK_N}² matmul)",
+                      parts={"model_gflop_per_step": flops[row] / 1e9, "achieved_gflops": achieved / 1e9,
+                             "peak_gflops": peak / 1e9, "step_time": timings[f"step:{row}"].to_json(),
+                             "peak_time": timings["peak-matmul"].to_json()})
+
+    out = []
+    if "step" in groups:
+        out.append(step("mtl", "stock", WRAPPER_GOAL,
+                        "train step (fwd+bwd+AdamW): MTL wrapper ÷ stock T5ForConditionalGeneration"))
+        out += [step(r, "mtl", STEP_GOAL, f"train step (fwd+bwd+AdamW): {r} ÷ MTL") for r in rows]
+    if "generate" in groups:
+        out.append(ratio("generate/mtl_vs_stock", "generate:mtl", "generate:stock", timings, WRAPPER_GOAL,
+                         "greedy generation, 8 tokens: MTL wrapper ÷ stock T5"))
+        out += [f for r in rows for f in (generate(r), generate(r, dynamic=True))]
+    if "flops" in groups:
+        out += [mfu(r) for r in MFU_ROWS]
+    return out

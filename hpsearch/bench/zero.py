@@ -1,0 +1,111 @@
+"""Group `deepspeed`: one DeepSpeed rank (in this process, gloo, world size 1) ÷ a plain torch loop, same model.
+
+The model is the run config's default method at the benchmark's shape; the DeepSpeed config is the one the
+training recipe generates (`hpsearch.train.deepspeed_config`) for the config's ZeRO stage, for stage 3 and for
+stage 0. The plain loop does what the engine does: forward, backward, gradient clipping, AdamW, LR schedule.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import socket
+import sys
+import warnings
+
+import torch
+
+from hpsearch.bench.timing import Pool, ratio
+
+GOAL = 1.10
+
+
+def _init_process_group() -> bool:
+    """A one-rank gloo group, unless one exists; True when this call created it."""
+    if torch.distributed.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    return True
+
+
+def plain_step(model, cfg, batch):
+    from hpsearch.train import lr_lambda
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    def step():
+        model(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def engine_step(model, cfg, batch):
+    import deepspeed
+
+    from hpsearch.train import deepspeed_config, lr_lambda
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(cfg, 1))
+
+    def step():
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+    return step, engine
+
+
+def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, dict]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from hpsearch.bench.models import BATCH, make_batch
+    from hpsearch.config import load_config
+    from hpsearch.model import build_from_config
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
+    cfg = load_config(None, [f"model.backbone={shape}", f"train.micro_batch_size={BATCH}", "train.num_workers=1"])
+    stages = sorted({cfg.train.zero_stage, 3, 0}, reverse=True)
+    created = _init_process_group()
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op builder prints; stdout is the report's
+        deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    base = build_from_config(cfg.model, [f"task{i}" for i in range(n_tasks)])
+    batch = make_batch(base.config.vocab_size, n_tasks, batching)
+    log(f"DeepSpeed stages {stages} vs a plain loop: {cfg.model.method} at {shape}")
+    pool, errors, engines = Pool(), {}, []
+    plain = copy.deepcopy(base)
+    pool.add("torch", plain_step(plain, cfg, batch), setup=plain.train)
+    for stage in stages:
+        cfg.train.zero_stage = stage
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                step, engine = engine_step(copy.deepcopy(base), cfg, batch)
+            engines.append(engine)
+            pool.add(f"zero{stage}", step, setup=engine.train)
+        except Exception as e:
+            errors[f"deepspeed:zero{stage}"] = f"{type(e).__name__}: {e}"[:300]
+    del base
+    try:
+        timings, failed = pool.run(reps, log)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    errors.update(failed)
+    figures = [ratio(f"deepspeed/zero{s}_vs_torch", f"zero{s}", "torch", timings, GOAL,
+                     f"train step, one DeepSpeed ZeRO-{s} rank (recipe's config) ÷ plain torch loop, same model")
+               for s in stages]
+    return [f for f in figures if f is not None], errors

@@ -1,0 +1,98 @@
+"""`python -m hpsearch.bench`: a smoke run at the tiny shape checks the report's form (nothing here is timed)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+RATIO_GROUPS = ("step", "generate", "flops", "deepspeed")
+
+
+def bench(*args, timeout=300):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "hpsearch.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def report(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_figures(out: dict) -> None:
+    assert out["figures"], out
+    for name, f in out["figures"].items():
+        assert {"value", "goal", "meets_goal", "unit", "what"} <= set(f), name
+        assert isinstance(f["value"], float) and math.isfinite(f["value"]) and f["value"] >= 0, (name, f)
+        if f["goal"] is None:  # shown for contrast
+            assert f["meets_goal"] is None, name
+        else:
+            below = f["value"] <= f["goal"] if f["goal_is"] == "max" else f["value"] >= f["goal"]
+            assert f["meets_goal"] is below, (name, f)
+        if f["unit"] in ("ratio", "fraction", "s"):
+            assert f["value"] > 0, (name, f)
+
+
+def test_smoke_tiny_shape_json_fields():
+    from hpsearch.model import METHOD_CLASSES
+
+    out = report(bench("--shape", "t5-tiny", "--reps", "2", "--only", *RATIO_GROUPS, "--json"))
+    assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
+    assert len(out["load_before"]) == 3 and len(out["load_after"]) == 3
+    check_figures(out)
+    figures, errors = out["figures"], out["errors"]
+    for name, f in figures.items():
+        if f["unit"] == "ratio":  # the ratio of the parts' minimum times
+            num, den = f["parts"]["numerator_time"], f["parts"]["denominator_time"]
+            assert num["reps"] == den["reps"] == 2
+            assert f["value"] == pytest.approx(num["min_s"] / den["min_s"], rel=1e-9), name
+            assert num["min_s"] <= num["median_s"] and den["min_s"] <= den["median_s"]
+    # every method of the registry has its rows, or says why it has none
+    rows = [m for m in METHOD_CLASSES if m not in ("mtl", "hyperprompt")]
+    rows += [f"hyperprompt-{v}" for v in ("global", "share", "sep")]
+    for row in rows:
+        for group in ("step", "generate"):
+            assert f"{group}/{row}_vs_mtl" in figures or any(row in k for k in errors), (row, group, errors)
+    assert {"step/mtl_vs_stock", "generate/mtl_vs_stock"} <= set(figures)
+    # the dynamic (unfrozen) generation path is shown for HyperPrompt, for contrast
+    assert figures["generate/hyperprompt-global_dynamic_vs_mtl"]["goal"] is None
+    for row in ("stock", "hyperprompt-global"):
+        mfu = figures[f"flops/{row}_mfu"]
+        parts = mfu["parts"]
+        assert mfu["value"] > 0 and parts["model_gflop_per_step"] > 0
+        assert mfu["value"] == pytest.approx(parts["achieved_gflops"] / parts["peak_gflops"], rel=1e-9)
+        assert parts["achieved_gflops"] == pytest.approx(parts["model_gflop_per_step"]
+                                                         / parts["step_time"]["min_s"], rel=1e-9)
+    # the HyperPrompt step does more arithmetic than MTL's (its generators, its longer attention)
+    assert figures["step/hyperprompt-global_vs_mtl"]["parts"]["flop_ratio"] > 1
+    assert {"deepspeed/zero3_vs_torch", "deepspeed/zero0_vs_torch"} <= set(figures)
+
+
+@pytest.mark.slow
+def test_checkpoint_group_tiny_shape():
+    out = report(bench("--shape", "t5-tiny", "--only", "checkpoint", "--json", timeout=900))
+    check_figures(out)
+    figures = out["figures"]
+    assert set(figures) == {"checkpoint/written_per_eval", "checkpoint/best_size", "checkpoint/best_copied",
+                            "checkpoint/export_size"}
+    parts = figures["checkpoint/written_per_eval"]["parts"]
+    assert parts["evaluations"] == 2 and 1 <= parts["best_improved"] <= 2 and parts["weights_bytes"] > 0
+    assert figures["checkpoint/written_per_eval"]["value"] == pytest.approx(
+        parts["bytes_per_eval"] / parts["weights_bytes"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "t5-huge"], "--shape: 't5-huge' is not a named shape"),
+    (["--reps", "0"], "--reps: 0 is out of range"),
+    (["--only", "nosuchgroup"], "invalid choice: 'nosuchgroup'"),
+    (["--only", "trial", "--skip", "trial"], "no group left"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    proc = bench(*args, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
+    assert proc.stdout == ""
