@@ -149,3 +149,9 @@ def test_the_command_exits_2_without_traceback(folder):
     assert result.stderr.strip().splitlines() == [
         f"error: {folder / 'rte' / 'validation.jsonl'}:2: label 9 out of range for task rte; "
         "expected an integer in (0=entailment, 1=not_entailment)"]
+
+
+def test_empty_train_file_is_an_error_before_any_worker(folder):
+    write(folder, "rte", "train", [])
+    with pytest.raises(DataError, match="rte/train.jsonl: no rows"):
+        load(folder)

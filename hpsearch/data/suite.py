@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hpsearch.data.config import DataConfig
 from hpsearch.data.protocol import apply_protocol, cap_rows
@@ -73,8 +74,8 @@ def load_suite(cfg: DataConfig) -> Suite:
             if len(capped) < len(splits[split]):
                 notes.append(f"{split} capped to {len(capped)} of {len(splits[split])} rows")
             splits[split] = capped
-        if not splits["train"]:  # caught here, before any worker samples from it
-            where = f"{cfg.source}/{task}/train.jsonl" if cfg.source not in ("synthetic", "hub") else cfg.source
-            raise DataError(f"data.tasks: {task} has no training rows ({where}); every task needs a training split")
+        train_file = Path(cfg.source, task, "train.jsonl") if cfg.source not in ("synthetic", "hub") else None
+        if not splits["train"] and train_file is not None and train_file.is_file():  # present but empty
+            raise DataError(f"{train_file}: no rows; remove the file (evaluation only) or give it training rows")
         data[task] = TaskData(spec, splits, protocol, notes)
     return Suite(cfg.source, data)

@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     absolute_paths(cfg)  # workers run elsewhere: train.output_dir and data paths are this directory's
     from hpsearch.data import load_suite
-    load_suite(cfg.data)  # data mistakes fail here, before any worker starts
+    if not any(load_suite(cfg.data).sizes("train")):  # data mistakes fail here, before any worker starts
+        raise UserError(f"data.tasks: no task has training rows in {cfg.data.source}")
     from hpsearch.model import check_local_backbone
     check_local_backbone(cfg.model.backbone)
     if args.resume_from and not (Path(args.resume_from) / "state").is_dir():

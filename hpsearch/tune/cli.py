@@ -119,7 +119,8 @@ def _check_data(cfg) -> None:
     if cfg.data.source == "hub":
         return
     from hpsearch.data import load_suite
-    load_suite(cfg.data)
+    if not any(load_suite(cfg.data).sizes("train")):  # caught here, not in every trial's workers
+        raise ConfigError(f"data.tasks: no task has training rows in {cfg.data.source}")
 
 
 def _check_backbone(cfg) -> None:
