@@ -55,7 +55,7 @@ class Study:
         """At the study's end: remove what only a resume needed (Ray Train's checkpoints of each trial, the ZeRO
         shards of its best model, optimizer states included); keep the exports (`trials/<id>/model`,
         `task_params`, config, metrics). Returns (bytes freed, bytes the study folder still holds)."""
-        doomed = [*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("trials/*/best")]
+        doomed = [p for p in (*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("trials/*/best")) if p.is_dir()]
         freed = sum(_size(p) for p in doomed)
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
