@@ -41,7 +41,7 @@ def test_shipped_spaces_load(name, monkeypatch):
     assert {"model.variant", "train.lr"} <= set(names)
     assert space.budget.trials >= 6 and space.primary.metric == "score"
     if name == "paper":
-        assert space.config.model.backbone == "google-t5/t5-base" and space.config.train.use_gpu
+        assert space.config.model.backbone == "google/t5-v1_1-base" and space.config.train.use_gpu  # C4 only
         assert space.param("model.prompt_length_encoder").low == 1
         assert space.param("model.prompt_length_encoder").high == 64
         assert space.multi_objective
