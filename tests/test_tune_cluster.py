@@ -70,7 +70,7 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
         python - <<'EOF' > {out}/ui.json 2>> {out}/ui.log
         import json, time, urllib.request
         url = "http://127.0.0.1:{ui}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hpsearch%2Fjob"
-        for _ in range(90):
+        for _ in range(240):  # a loaded box starts the UI slowly
             try:
                 print(urllib.request.urlopen(url, timeout=5).read().decode()); break
             except OSError:
