@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from transformers import T5Config, T5ForConditionalGeneration
+from t5_testing import logits, overfit, stock_copy, tiny_config
 
 from hpsearch.errors import ConfigError
 from hpsearch.model import build_model
@@ -15,12 +15,6 @@ PLACEMENTS = ("encoder", "decoder", "both")
 TASKS = ["a", "b", "c"]
 
 
-def tiny_config(**kw) -> T5Config:
-    values = dict(d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=8, vocab_size=64,
-                  dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-                  relative_attention_num_buckets=8, relative_attention_max_distance=16)
-    values.update(kw)
-    return T5Config(**values)
 
 
 def hp(variant="global", placement="both", l_enc=3, l_dec=2, seed=0, config=None, **kw):
@@ -30,29 +24,10 @@ def hp(variant="global", placement="both", l_enc=3, l_dec=2, seed=0, config=None
                        task_embedding_dim=5, layer_task_dim=6, projection_hidden=7, **kw).eval()
 
 
-def stock_copy(model) -> T5ForConditionalGeneration:
-    stock = T5ForConditionalGeneration(model.t5.config.__class__(**model.t5.config.to_dict()))
-    stock.load_state_dict(model.t5.state_dict())
-    stock.set_attn_implementation("eager")
-    return stock.eval()
 
 
-@pytest.fixture
-def batch():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(3, 64, (4, 9), generator=g)
-    am = torch.ones_like(x)
-    am[1, 6:] = 0
-    am[3, 4:] = 0
-    x[am == 0] = 0
-    y = torch.randint(3, 64, (4, 5), generator=g)
-    y[2, 3:] = -100  # padded label positions
-    return dict(input_ids=x, attention_mask=am, labels=y, task_ids=torch.tensor([0, 1, 2, 0]))
 
 
-def logits(model, batch, **kw):
-    with torch.no_grad():
-        return model(**{**batch, **kw}).logits
 
 
 # ---- equality with stock T5 -------------------------------------------------------------------------------
@@ -232,14 +207,6 @@ def test_cached_generate_equals_uncached(variant, placement, batch):
     assert (steps - full).abs().max() <= 1e-4
 
 
-def overfit(model, batch, steps=30):
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(steps):
-        opt.zero_grad()
-        model(**batch).loss.backward()
-        opt.step()
-    model.eval()
 
 
 def test_beam_search_with_mixed_tasks_equals_per_task(batch):

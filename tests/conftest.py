@@ -1,0 +1,17 @@
+"""Fixtures shared by the model tests."""
+import pytest
+import torch
+
+
+@pytest.fixture
+def batch():
+    """4 rows of 3 tasks (mixed), padded inputs and padded label positions, vocabulary 64."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(3, 64, (4, 9), generator=g)
+    am = torch.ones_like(x)
+    am[1, 6:] = 0
+    am[3, 4:] = 0
+    x[am == 0] = 0
+    y = torch.randint(3, 64, (4, 5), generator=g)
+    y[2, 3:] = -100  # padded label positions
+    return dict(input_ids=x, attention_mask=am, labels=y, task_ids=torch.tensor([0, 1, 2, 0]))
