@@ -37,7 +37,7 @@ from typing import Any
 from hpsearch.config import RunConfig, apply_mapping, coerce, parse_override, read_yaml, set_field
 from hpsearch.errors import ConfigError
 from hpsearch.tune.space import Resources
-from hpsearch.tune.spacefile import Where
+from hpsearch.tune.spacefile import Where, read_section, set_key
 
 TOP_LEVEL = ("name", "description", "model", "data", "train", "methods", "references", "seeds", "sweep", "budget",
              "resources", "stats", "probe")
@@ -167,9 +167,9 @@ def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
             _not_set_by_comparison(f"{section}.{name}", at(f"{section}.{name}"))
     cfg = RunConfig()
     apply_mapping(cfg, shared, at.src, lines)
-    sections = {"budget": _read_section(Budget, data, "budget", at),
-                "resources": _read_section(Resources, data, "resources", at),
-                "stats": _read_section(Stats, data, "stats", at), "probe": _read_section(Probe, data, "probe", at)}
+    sections = {"budget": read_section(Budget, data, "budget", at),
+                "resources": read_section(Resources, data, "resources", at),
+                "stats": read_section(Stats, data, "stats", at), "probe": read_section(Probe, data, "probe", at)}
     raw = _read_methods(data.get("methods"), at, METHOD_CLASSES)
     seeds, seeds_at = data.get("seeds", 3), at("seeds")
 
@@ -180,7 +180,7 @@ def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
         at.overrides.update({key: where, ALIASES.get(key, key): where})
         head, _, rest = key.partition(".")
         if head in sections:
-            _set(sections[head], head, rest, value, where)
+            set_key(sections[head], head, rest, value, where)
         elif key == "seeds":
             seeds, seeds_at = _override_seeds(value, where), where
         elif head == "methods":
@@ -225,25 +225,6 @@ def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
 def _not_set_by_comparison(key: str, where: str) -> None:
     if key in SET_BY_COMPARISON:
         raise ConfigError(f"{where}: {key} is not set here ({SET_BY_COMPARISON[key]})")
-
-
-def _set(target, section: str, name: str, value: Any, where: str) -> None:
-    hints = typing.get_type_hints(type(target))
-    if name not in hints:
-        raise ConfigError(f"{where}: unknown key '{section}.{name}'; {section} has {', '.join(hints)}")
-    if name == "max_concurrent" and value in ("auto", None):
-        value = None
-    setattr(target, name, coerce(value, hints[name], f"{where}: {section}.{name}"))
-
-
-def _read_section(cls, data: dict, section: str, at):
-    target = cls()
-    values = data.get(section) or {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{at(section)}: {section}: expected a mapping of key: value")
-    for name, value in values.items():
-        _set(target, section, name, value, at(f"{section}.{name}"))
-    return target
 
 
 def _read_methods(methods: Any, at, registry: dict) -> dict[str, dict]:

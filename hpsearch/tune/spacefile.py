@@ -58,9 +58,9 @@ def load_space(path: str | Path, overrides: list[str] = ()) -> SearchSpace:
 
     cfg = RunConfig()
     apply_mapping(cfg, {s: data[s] for s in ("model", "data", "train") if s in data}, at.src, lines)
-    budget = _read_section(Budget, data, "budget", at)
-    resources = _read_section(Resources, data, "resources", at)
-    sampler = _read_section(Sampler, data, "sampler", at)
+    budget = read_section(Budget, data, "budget", at)
+    resources = read_section(Resources, data, "resources", at)
+    sampler = read_section(Sampler, data, "sampler", at)
     params = _read_params(data.get("search"), at)
     objectives = _read_objectives(data.get("objectives", [{"metric": "score", "mode": "max"}]), at)
     points = data.get("points_to_evaluate") or []
@@ -77,7 +77,7 @@ def load_space(path: str | Path, overrides: list[str] = ()) -> SearchSpace:
         section, _, name = key.partition(".")
         if section in ("budget", "resources", "sampler"):
             target = {"budget": budget, "resources": resources, "sampler": sampler}[section]
-            _set(target, section, name, value, where)
+            set_key(target, section, name, value, where)
             if key in ALIASES:
                 set_field(cfg, ALIASES[key], value, where)
         elif section in ("model", "data", "train"):
@@ -117,7 +117,8 @@ class Where:
         return f"{self.src}:{line}" if line else self.src
 
 
-def _set(target, section: str, name: str, value: Any, where: str) -> None:
+def set_key(target, section: str, name: str, value: Any, where: str) -> None:
+    """Set `<section>.<name>` on a settings dataclass (budget, resources, ...), typed, or a one-line ConfigError."""
     hints = typing.get_type_hints(type(target))
     if name not in hints:
         raise ConfigError(f"{where}: unknown key '{section}.{name}'; {section} has {', '.join(hints)}")
@@ -126,13 +127,14 @@ def _set(target, section: str, name: str, value: Any, where: str) -> None:
     setattr(target, name, coerce(value, hints[name], f"{where}: {section}.{name}"))
 
 
-def _read_section(cls, data: dict, section: str, at):
+def read_section(cls, data: dict, section: str, at):
+    """A settings dataclass filled from `data[section]`, every key checked (`at` names file:line)."""
     target = cls()
     values = data.get(section) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{at(section)}: {section}: expected a mapping of key: value")
     for name, value in values.items():
-        _set(target, section, name, value, at(f"{section}.{name}"))
+        set_key(target, section, name, value, at(f"{section}.{name}"))
     return target
 
 
