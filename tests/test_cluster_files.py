@@ -28,7 +28,7 @@ import yaml
 from ray.autoscaler._private.providers import _get_default_config
 from ray.autoscaler._private.util import fill_node_type_min_max_workers, prepare_config, validate_config
 
-from hpsearch.errors import ConfigError
+from hpsearch.errors import ConfigError, UserError
 from hpsearch.tune.cli import parse_args
 from hpsearch.tune.spacefile import load_space
 from hpsearch.tune.study import trial_resources
@@ -113,7 +113,7 @@ def tune_args(argv: list[str], where: str):
     """`argv` through the real CLI parser; a --space must name a file of search_spaces/ that loads."""
     try:
         args = parse_args(argv)
-    except SystemExit:
+    except UserError:  # the parser's one-line error (hpsearch.cli.Parser)
         raise AssertionError(f"{where}: `python -m hpsearch.tune {shlex.join(argv)}` does not parse") from None
     if args.space:
         space_path = ROOT / args.space
