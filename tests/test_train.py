@@ -5,10 +5,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hpsearch.config import load_config
+from hpsearch.train.launch import free_port
 
 FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "train.micro_batch_size=16",
         "data.synthetic_train_rows=300", "data.synthetic_eval_rows=60", "train.lr=3e-3", "train.warmup_steps=5"]
@@ -56,6 +58,27 @@ def test_bad_override_is_one_line_error():
     assert "unknown field 'train.max_step'" in proc.stderr
     proc = run_train("data.tasks=first,nosuchtask", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nosuchtask" in proc.stderr
+
+
+# ---- DeepSpeed's JIT ops ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():
+    """A run killed while torch held `<build dir>/lock` leaves the file; DeepSpeed alone then waits forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from hpsearch.train.ops import SHM_COMM, load_ops
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    assert load_ops([SHM_COMM]) == [SHM_COMM]  # built (the first time on this machine: ~1 min) and loaded
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    lock.touch()  # what the killed process left
+    code = ("from hpsearch.train.ops import load_ops, SHM_COMM; import deepspeed; load_ops([SHM_COMM]); "
+            "deepspeed.init_distributed('gloo')")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not lock.exists()
 
 
 # ---- local loop ------------------------------------------------------------------------------------------------------

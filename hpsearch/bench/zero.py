@@ -74,12 +74,14 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, 
     from hpsearch.bench.models import BATCH, make_batch
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
+    from hpsearch.train.ops import load_ops, ops_for
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
     cfg = load_config(None, [f"model.backbone={shape}", f"train.micro_batch_size={BATCH}", "train.num_workers=1"])
     stages = sorted({cfg.train.zero_stage, 3, 0}, reverse=True)
     created = _init_process_group()
+    load_ops(ops_for(offload_optimizer=False))
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op builder prints; stdout is the report's
         deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -17,6 +17,7 @@ from hpsearch.train import checkpoints
 from hpsearch.train.dsconfig import deepspeed_config, lr_lambda
 from hpsearch.train.evaluate import Evaluator
 from hpsearch.train.launch import free_port
+from hpsearch.train.ops import load_ops, ops_for
 from hpsearch.train.sessions import RaySession
 
 
@@ -52,6 +53,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
+    load_ops(ops_for(cfg.train.offload_optimizer))  # before DeepSpeed builds them, without a stale lock's hang
     deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
 

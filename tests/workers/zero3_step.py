@@ -14,8 +14,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from hpsearch.model import build_model  # noqa: E402
+from hpsearch.train.ops import load_ops, ops_for  # noqa: E402
 
 dist.init_process_group("gloo")
+load_ops(ops_for(offload_optimizer=False))
 deepspeed.init_distributed("gloo")
 rank = dist.get_rank()
 HP = dict(placement="both", prompt_length_encoder=4, prompt_length_decoder=2, bottleneck=8)

@@ -1,0 +1,52 @@
+"""DeepSpeed's JIT-compiled ops, built once per machine without the stale-lock hang.
+
+On CPU, `deepspeed.init_distributed` compiles its shared-memory comm op (and `offload_optimizer` its CPU Adam) with
+`torch.utils.cpp_extension.load`. Every load, even of an op already built, creates `<build dir>/lock` for a moment
+and waits, forever, while that file exists. A process killed inside that moment (a trial stopped by ASHA, a job
+cancelled during the first ~45 s compile) leaves the file behind, and every later DeepSpeed run on the machine
+hangs in `FileBaton.wait`.
+
+`load_ops` loads the ops this run needs before DeepSpeed asks for them, under an `flock` on
+`<build dir>/hpsearch.flock` that the kernel releases when its holder dies. Every hpsearch process takes that flock
+before it touches the build directory, and DeepSpeed's own later loads are served from its in-process cache
+(`OpBuilder._loaded_ops`) without touching the directory, so a `lock` file found while holding the flock was left by
+a dead process and is removed.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import sys
+from pathlib import Path
+
+SHM_COMM = "ShareMemCommBuilder"  # deepspeed.comm's CPU all-reduce, built by init_distributed
+CPU_ADAM = "CPUAdamBuilder"  # DeepSpeedCPUAdam, built when the optimizer is offloaded
+
+
+def load_ops(names: list[str]) -> list[str]:
+    """Build (first time) or load each named DeepSpeed op this accelerator has; returns the names loaded."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    loaded = []
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            continue  # the same test deepspeed.comm applies: this accelerator does not use the op
+        build_dir = Path(_get_build_directory(builder.name, verbose=False))
+        with open(build_dir / "hpsearch.flock", "a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            try:
+                (build_dir / "lock").unlink(missing_ok=True)  # no live hpsearch process holds it: stale
+                with contextlib.redirect_stdout(sys.stderr):  # the builder prints; stdout is a run's result
+                    builder.load(verbose=False)
+            finally:
+                fcntl.flock(guard, fcntl.LOCK_UN)
+        loaded.append(name)
+    return loaded
+
+
+def ops_for(offload_optimizer: bool) -> list[str]:
+    """The JIT ops DeepSpeed loads for a run (those its accelerator lacks are skipped by `load_ops`)."""
+    return [SHM_COMM] + ([CPU_ADAM] if offload_optimizer else [])
