@@ -1,5 +1,6 @@
 """End to end: `python -m hpsearch.tune` runs short studies (Ray Tune + Optuna + ASHA launching the training
 recipe's TorchTrainer per trial) on this machine; the MLflow store is read back with `MlflowClient`."""
+import ipaddress
 import os
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
@@ -37,11 +39,38 @@ def steps(client, run_id, key="loss"):
     return [m.step for m in client.get_metric_history(run_id, key)]
 
 
+def run_auditing_sockets(cmd, cwd, timeout):
+    """Run `cmd` to the end; every second, the listening sockets of its process tree that are not on loopback."""
+    out_path, err_path = Path(cwd) / "stdout.txt", Path(cwd) / "stderr.txt"
+    exposed, seen = set(), 0
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                tree = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                break
+            for c in psutil.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN and c.pid in tree:
+                    seen += 1
+                    if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:")).is_loopback:
+                        exposed.add((c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()))
+            time.sleep(1)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
+    return result, exposed, seen
+
+
 @pytest.mark.slow
 def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path):
-    out = subprocess.run(tune_cmd(tmp_path, "e2e", "--num-samples", "3", *SHORT), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=900)
+    out, exposed, seen = run_auditing_sockets(tune_cmd(tmp_path, "e2e", "--num-samples", "3", *SHORT), tmp_path,
+                                              timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    # a private local Ray: its GCS, raylet, workers, dashboard and agents listen on loopback only
+    assert seen > 10 and not exposed, exposed
     assert "1 at a time" in out.stdout
     # the console: one line per trial event, no Tune table, no worker output, the report last
     console = out.stdout + out.stderr

@@ -45,6 +45,14 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
         ray.init(include_dashboard=True, runtime_env={"env_vars": env}, log_to_driver=log_to_driver,
                  logging_level="WARNING")
         return
+    # Ray's single-machine mode: its node IP is loopback, so the GCS, raylets, workers, the dashboard agent and the
+    # runtime-env agent listen on 127.0.0.1 only (else they take the machine's network address and `::`, whatever
+    # `_node_ip_address` says). Ray reads the switch when ray.init resolves the node IP; its processes read the
+    # variable.
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     port = free_port()
     env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
