@@ -80,28 +80,34 @@ class GlobalHypernets(nn.Module):
             nn.init.normal_(emb.weight, std=t1 ** -0.5)
 
     def _local(self, weights: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
-        """Apply generated local nets: weights [T, out], prompts [T, l, d] -> [T, l, d_inner]."""
+        """Apply the generated local nets of n blocks at once: weights [n, T, out], prompts [T, l, d] ->
+        [n, T, l, d_inner]. One batched product per matrix (no per-block slice of the generated weights: the
+        backward of such a slice allocates a zeroed gradient of the whole [M, T, out] tensor for each block)."""
         d, b, di = self.shape
-        down, up = weights[:, : d * b].view(-1, d, b), weights[:, d * b: d * b + b * di].view(-1, b, di)
-        h = prompts @ down
+        n, T = weights.shape[:2]
+        parts = torch.split(weights, [d * b, b * di] + ([b, di] if self.bias else []), dim=-1)
+        h = torch.matmul(prompts.unsqueeze(0), parts[0].view(n, T, d, b))          # [n, T, l, b]
         if self.bias:
-            h = h + weights[:, d * b + b * di: d * b + b * di + b].unsqueeze(1)
-        y = F.relu(h) @ up
-        if self.bias:
-            y = y + weights[:, -di:].unsqueeze(1)
-        return y
+            h = h + parts[2].unsqueeze(2)
+        y = torch.matmul(F.relu(h), parts[1].view(n, T, b, di))                   # [n, T, l, d_i]
+        return y + parts[3].unsqueeze(2) if self.bias else y
 
-    def forward(self, layer_prompts: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """layer_prompts[m]: the global prompts [T, l, d] feeding prompted block m (in layer-embedding order)."""
-        num_tasks, num_layers = self.task_embeddings.num_embeddings, len(layer_prompts)
-        device = layer_prompts[0].device
+    def forward(self, side_prompts: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """side_prompts: (global prompts [T, l, d], number of prompted blocks they feed) per prompted side, in
+        layer-embedding order; returns (keys, values) [T, l, d_inner] per prompted block, in that order."""
+        num_tasks = self.task_embeddings.num_embeddings
+        counts = [n for _, n in side_prompts]
+        num_layers, device = sum(counts), side_prompts[0][0].device
         tasks = self.task_embeddings(torch.arange(num_tasks, device=device))          # [T, t']
         layers = self.layer_embeddings(torch.arange(num_layers, device=device))       # [M, t']
         pairs = torch.cat([tasks[None].expand(num_layers, -1, -1),
                            layers[:, None].expand(-1, num_tasks, -1)], dim=-1)      # [M, T, 2t']
         task_layer = self.projection(pairs)                                          # I: [M, T, t]
         wk, wv = self.hyper_k(task_layer), self.hyper_v(task_layer)                  # [M, T, out]
-        return [(self._local(wk[m], p), self._local(wv[m], p)) for m, p in enumerate(layer_prompts)]
+        out = []
+        for (prompts, _), k, v in zip(side_prompts, wk.split(counts), wv.split(counts)):
+            out += zip(self._local(k, prompts).unbind(0), self._local(v, prompts).unbind(0))
+        return out
 
 
 class HyperPromptT5(MultiTaskT5):
@@ -137,8 +143,9 @@ class HyperPromptT5(MultiTaskT5):
         side_prompts = {side: emb(ids).view(n_tasks, self.cfg.side_prompt_length(side), self.d_model)
                         for side, emb in self.global_prompts.items()}
         layer_prompts = [side_prompts[side] for side, _ in self.layer_keys]
-        if self.cfg.variant == "global":
-            pairs = self.global_hypernets(layer_prompts)
+        if self.cfg.variant == "global":  # layer_keys: every block of one side, then of the next
+            pairs = self.global_hypernets([(p, sum(s == side for s, _ in self.layer_keys))
+                                           for side, p in side_prompts.items()])
         else:
             pairs = [self.local_hypernets[f"{side}_{i}"](p) for (side, i), p in zip(self.layer_keys, layer_prompts)]
         return {key: tuple(self._heads(x) for x in pair) for key, pair in zip(self.layer_keys, pairs)}
