@@ -1,6 +1,13 @@
-"""Fixtures shared by the model tests."""
+"""Fixtures shared by the model tests; one thread per process (tests and the runs they start)."""
+import os
+
 import pytest
 import torch
+
+# 2 cores: torch's default thread pool oversubscribes them as soon as a test and a Ray worker (or two ranks) run at
+# once; measured, a single model test then went from ~1 s to over 100 s.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture
