@@ -2,6 +2,7 @@
 
     python -m hpsearch.params model.backbone=t5-base model.variant=global --num-tasks 8 [--json]
     python -m hpsearch.params model.method=hyperformer model.backbone=t5-base --num-tasks 8
+    python -m hpsearch.params model.method=lora model.lora_rank=8 model.backbone=t5-base --num-tasks 8
 
 Prints the method's closed formula with the value of each of its terms, and the count of the real modules
 (the two are equal: the tests check it for every method).
@@ -45,6 +46,12 @@ def describe(m) -> str:
         return f"adapter (b={m.bottleneck}, sites={m.adapter_sites})"
     if m.method == "hyperformer":
         return f"hyperformer++ (reduction factor {m.reduction_factor})"
+    if m.method == "prefix":
+        return f"prefix (l={m.prompt_length}, h={m.prefix_hidden})"
+    if m.method == "lora":
+        return f"lora (r={m.lora_rank}, alpha={m.lora_alpha:g}, q and v)"
+    if m.method == "mam":
+        return f"mam (prefix l={m.mam_prefix_length}, h={m.prefix_hidden}; adapter b={m.bottleneck}, s={m.mam_scale:g})"
     return m.method
 
 

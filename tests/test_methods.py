@@ -5,7 +5,9 @@ beam search); gradients reach every method parameter; train_task_params_only fre
 formula (written here, independently) equals the real modules' count; export round-trip; frozen task parameters
 equal dynamic ones and skip the generators.
 Baselines: prompt tuning == stock T5 fed [prompt; embed(ids)]; adapter and HyperFormer++ blocks == hand-written
-blocks; HyperFormer++'s generated weights == a re-computation from the raw parameters.
+blocks; HyperFormer++'s generated weights == a re-computation from the raw parameters; LoRA == stock T5 with q, v
+merged by hand; prefix == the attention hook fed the MLP's prefixes computed by hand; MAM's feed-forward sublayer ==
+the hand-written scaled parallel adapter.
 """
 from __future__ import annotations
 
@@ -31,9 +33,12 @@ SETUPS = {
     "adapter-ffn": ("adapter", dict(bottleneck=4, adapter_sites="ffn")),
     "adapter-attention": ("adapter", dict(bottleneck=4, adapter_sites="attention")),
     "hyperformer": ("hyperformer", HF),
+    "prefix": ("prefix", dict(prompt_length=3, prefix_hidden=5)),
+    "lora": ("lora", dict(lora_rank=2, lora_alpha=3.0)),
+    "mam": ("mam", dict(mam_prefix_length=2, prefix_hidden=5, bottleneck=4, mam_scale=2.5)),
 }
 WITH_TASK_PARAMS = [name for name in SETUPS if name != "mtl"]
-GENERATED = ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "hyperformer"]
+PROMPTED = ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "prefix", "mam"]  # key/value prompts
 
 
 
@@ -104,7 +109,7 @@ def test_generation_cached_equals_uncached_and_beams_follow_tasks(name, batch):
 
 @pytest.mark.parametrize("name", SETUPS)
 def test_gradients_reach_every_method_parameter(name, batch):
-    model = make(name).train()
+    model = perturb(make(name)).train()  # LoRA's B and MAM's U start at zero: A's and D's gradients would be zero
     model(**batch).loss.backward()
     params = method_params(model)
     assert bool(params) == (name != "mtl")
@@ -140,6 +145,16 @@ def expected_extra(name, shape, T) -> int:
         b = kw["bottleneck"]
         sites = (Le + Ld) * (2 if kw.get("adapter_sites", "both") == "both" else 1)
         return T * sites * ((d * b + b) + (b * d + d))                         # D, c, U, u per task and site
+    if method in ("prefix", "mam"):
+        l, h, M = kw.get("prompt_length", kw.get("mam_prefix_length")), kw["prefix_hidden"], Le + Ld
+        prefix = T * l * d + (d * h + h) + (h * M * 2 * di + M * 2 * di)      # E, W1 and c1, W2 and c2
+        if method == "prefix":
+            return prefix
+        b = kw["bottleneck"]
+        return prefix + T * M * ((d * b + b) + (b * d + d))                   # one D, c, U, u per task and FFN
+    if method == "lora":
+        r = kw["lora_rank"]
+        return T * (Le + Ld) * 2 * (r * d + di * r)                            # A [r, d], B [d_i, r] for q and v
     if method == "hyperformer":
         t, h, p, b = kw["hyperformer_task_dim"], kw["hyperformer_hidden_dim"], kw["hyperformer_projected_dim"], \
             d // kw["reduction_factor"]
@@ -209,8 +224,8 @@ def test_frozen_task_params_equal_dynamic_and_skip_generators(name, batch, monke
     assert model.task_params_frozen
 
 
-@pytest.mark.parametrize("name", GENERATED)
-def test_generators_run_for_all_tasks_whatever_the_batch(name, batch):
+@pytest.mark.parametrize("name", WITH_TASK_PARAMS)
+def test_method_modules_run_for_all_tasks_whatever_the_batch(name, batch):
     """ZeRO-3: the same module calls on every rank, whatever tasks its batch holds."""
     model = make(name)
     calls = []
@@ -231,7 +246,7 @@ def test_attention_stats_run_for_every_method(name, batch):
     for side in ("encoder", "decoder"):
         for s in stats[side]:
             assert s["token_entropy"] > 0
-            assert (s["prompt_mass"] > 0) == (name.startswith("hyperprompt"))  # only hyper-prompts are prompts
+            assert (s["prompt_mass"] > 0) == (name in PROMPTED)  # hyper-prompts and prefixes are prompts
 
 
 @pytest.mark.parametrize("name", WITH_TASK_PARAMS)
@@ -416,6 +431,97 @@ def test_hyperformer_reduction_factor_must_leave_a_bottleneck():
         make("hyperformer", reduction_factor=64)  # d_model 32
 
 
+# ---- LoRA, prefix, MAM: against independent computations ------------------------------------------------------
+def plain(batch):
+    return {k: v for k, v in batch.items() if k != "task_ids"}
+
+
+def test_lora_equals_stock_t5_with_q_and_v_merged_by_hand(batch, tmp_path):
+    r, alpha = SETUPS["lora"][1]["lora_rank"], SETUPS["lora"][1]["lora_alpha"]
+    fresh = make("lora")  # B = 0: the backbone itself
+    assert (logits(fresh, batch) - stock_copy(fresh)(**plain(batch)).logits).abs().max() <= 1e-5
+    model = perturb(make("lora"))
+    for task in range(3):
+        stock = stock_copy(model)
+        with torch.no_grad():
+            for side in ("encoder", "decoder"):
+                for i, block in enumerate(getattr(stock, side).block):
+                    for proj in ("q", "v"):
+                        lora = model.lora[f"{side}_{i}_{proj}"]
+                        getattr(block.layer[0].SelfAttention, proj).weight += (alpha / r) * lora.B[task] @ lora.A[task]
+            ref = stock(**plain(batch)).logits
+            one = {**batch, "task_ids": torch.full((4,), task)}
+            assert (logits(model, one) - ref).abs().max() <= 1e-5
+            merged = model.merge(TASKS[task])  # the single-task export
+            assert type(merged) is type(stock) and (merged(**plain(batch)).logits - ref).abs().max() <= 1e-5
+            assert (ref - logits(fresh, one)).abs().max() > 1e-3  # the update matters
+    merged.save_pretrained(tmp_path / "c")
+    again = build_model(str(tmp_path / "c"), "mtl", ["c"]).eval()
+    assert (logits(again, {**batch, "task_ids": torch.zeros(4, dtype=torch.long)}) - ref).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="merge: task 'd'"):
+        model.merge("d")
+
+
+def prefixes_by_hand(model, l):
+    """Li & Liang's MLP on the raw weights; layer m's keys and values are output columns [2m d_i, (2m + 2) d_i)."""
+    E, (W1, _, W2) = model.prefix_embeddings.weight, model.prefix_mlp
+    out = torch.tanh(E @ W1.weight.T + W1.bias) @ W2.weight.T + W2.bias                 # [T*l, M*2*d_i]
+    heads, dkv = model.t5.config.num_heads, model.t5.config.d_kv
+    di = heads * dkv
+    split = lambda x: x.reshape(l, heads, dkv).transpose(0, 1)                          # [heads, l, d_kv]
+    layers = [(s, i) for s in ("encoder", "decoder") for i in range(len(getattr(model.t5, s).block))]
+    return {key: [(split(out[t * l:(t + 1) * l, 2 * m * di:(2 * m + 1) * di]),
+                   split(out[t * l:(t + 1) * l, (2 * m + 1) * di:(2 * m + 2) * di])) for t in range(3)]
+            for m, key in enumerate(layers)}
+
+
+def test_prefix_equals_the_attention_hook_fed_the_mlp_output_by_hand(batch):
+    from hpsearch.model.attention import attach, use_prompted_attention
+    model = perturb(make("prefix"))
+    stock = stock_copy(model)
+    use_prompted_attention(stock)
+    with torch.no_grad():
+        by_hand = prefixes_by_hand(model, l=3)
+        rows = batch["task_ids"].tolist()
+        prompts = {key: tuple(torch.stack([per_task[t][kv] for t in rows]) for kv in (0, 1))
+                   for key, per_task in by_hand.items()}
+        with attach(stock, prompts):
+            ref = stock(**plain(batch)).logits
+        without = stock(**plain(batch)).logits
+    assert (logits(model, batch) - ref).abs().max() <= 1e-5
+    assert (ref - without).abs().max() > 1e-3  # the prefixes matter
+    model.freeze_task_params()  # the MLP replaced by its output: the same logits
+    assert (logits(model, batch) - ref).abs().max() <= 1e-5
+    mam = perturb(make("mam"))  # MAM's prefixes: the same pieces, with its own length
+    table, by_hand = mam.generate_task_tensors(), prefixes_by_hand(mam, l=SETUPS["mam"][1]["mam_prefix_length"])
+    for key, per_task in by_hand.items():
+        for t, (pk, pv) in enumerate(per_task):
+            assert (table[key][0][t] - pk).abs().max() <= 1e-6 and (table[key][1][t] - pv).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_mam_feed_forward_equals_hand_written_scaled_parallel_adapter(side, batch):
+    model = perturb(make("mam"))
+    s = SETUPS["mam"][1]["mam_scale"]
+    ff = getattr(model.t5, side).block[1].layer[-1]
+    seen = {}
+    hook = capture(ff, seen, "ffn")
+    with torch.no_grad():
+        model(**batch)
+    hook.remove()
+    h, got = seen["ffn"]
+    a = model.adapters[f"{side}_1"]
+    with torch.no_grad():
+        x = ff.layer_norm(h)
+        out = []
+        for row, t in enumerate(batch["task_ids"].tolist()):
+            branch = torch.relu(x[row] @ a.down_weight[t].T + a.down_bias[t]) @ a.up_weight[t].T + a.up_bias[t]
+            out.append(h[row] + ff.DenseReluDense(x[row]) + s * branch)   # residual + FFN(LN h) + s * adapter
+        want = torch.stack(out)
+    assert (got - want).abs().max() <= 1e-5
+    assert (got - h - ff.DenseReluDense(x)).abs().max() > 1e-2  # the adapter matters
+
+
 # ---- config: which fields a method uses ----------------------------------------------------------------------
 def test_method_fields_cover_the_config():
     names = {f for f in ModelConfig.__dataclass_fields__}
@@ -437,6 +543,9 @@ def test_method_fields_cover_the_config():
     (dict(method="adapter"), {"bottleneck", "adapter_sites", "train_task_params_only"}),
     (dict(method="hyperformer"), {"reduction_factor", "hyperformer_task_dim", "hyperformer_projected_dim",
                                   "hyperformer_hidden_dim", "train_task_params_only"}),
+    (dict(method="prefix"), {"prompt_length", "prefix_hidden", "train_task_params_only"}),
+    (dict(method="lora"), {"lora_rank", "lora_alpha", "lora_dropout", "train_task_params_only"}),
+    (dict(method="mam"), {"mam_prefix_length", "prefix_hidden", "bottleneck", "mam_scale", "train_task_params_only"}),
 ])
 def test_active_fields(kw, expected):
     assert ModelConfig(**kw).active_fields() == expected | set(COMMON_FIELDS)
@@ -448,7 +557,16 @@ def test_active_fields(kw, expected):
     (dict(method="adapter", adapter_sites="cross"), "model.adapter_sites: 'cross' is not one of ffn"),
     (dict(method="hyperformer", reduction_factor=0), "model.reduction_factor: 0 is out of range"),
     (dict(method="hyperformer", hyperformer_hidden_dim=-1), "model.hyperformer_hidden_dim"),
-    (dict(method="lora"), "model.method: 'lora' is not one of mtl, hyperprompt, prompt_tuning, adapter"),
+    (dict(method="ia3"), "model.method: 'ia3' is not one of mtl, hyperprompt, prompt_tuning, adapter, hyperformer, "
+                         "prefix, lora, mam"),
+    (dict(method="prefix", prefix_hidden=0), r"model.prefix_hidden: 0 is out of range; expected an integer in \[1"),
+    (dict(method="prefix", prompt_length=5000), r"model.prompt_length: 5000 is out of range"),
+    (dict(method="lora", lora_rank=0), r"model.lora_rank: 0 is out of range; expected an integer in \[1, 4096\]"),
+    (dict(method="lora", lora_alpha=0), r"model.lora_alpha: 0 is out of range; expected a number with 0 < lora_alpha"),
+    (dict(method="lora", lora_dropout=1.0), r"model.lora_dropout: 1.0 is out of range; expected a number with 0 <="),
+    (dict(method="lora", lora_alpha="8"), r"model.lora_alpha: '8' is out of range"),
+    (dict(method="mam", mam_scale=-1.0), r"model.mam_scale: -1.0 is out of range; expected a number with 0 < mam"),
+    (dict(method="mam", mam_prefix_length=0), r"model.mam_prefix_length: 0 is out of range"),
 ])
 def test_bad_method_fields_are_one_line_config_errors(bad, match):
     with pytest.raises(ConfigError, match=match) as e:

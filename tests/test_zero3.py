@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 METHODS = ("hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "mtl", "prompt_tuning", "adapter",
-           "hyperformer")
+           "hyperformer", "prefix", "lora", "mam")
 
 
 def test_zero3_step_every_method(tmp_path):
@@ -23,7 +23,7 @@ def test_zero3_step_every_method(tmp_path):
         port = s.getsockname()[1]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           "--master_addr", "127.0.0.1", "--master_port", str(port), str(worker), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for name in METHODS:
@@ -40,5 +40,7 @@ def test_zero3_step_every_method(tmp_path):
             assert r["backbone_changed"]
             assert r["extra"] == r["plain_extra"] and (r["extra"]["total"] > 0) == (name != "mtl")
             assert r["generated"] == r["expected"]  # synced generation under ZeRO-3 == the plain model's
+            assert r["frozen"] == r["expected"]  # ... also from task tensors frozen under ZeRO-3
+            assert r["merged"] == (name == "lora") and r["merge_equal"]  # LoRA's merge of the gathered weights
         # the ranks agree on the (gathered) updated parameters' fate and the counts
         assert reports[0][name]["extra"] == reports[1][name]["extra"]

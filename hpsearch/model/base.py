@@ -7,8 +7,12 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     `freeze_task_params()` caches them so inference does not pay the generators.
     attention_prompts(ctx)          {(side, layer): (keys, values)} prepended inside self-attention (attention.py)
     prepare_encoder_inputs(ctx, x)  rewrite the encoder inputs {input_ids, attention_mask, inputs_embeds}
-    adapt_sublayer(ctx, site, y)    rewrite a sublayer's output y (before T5's dropout + residual);
-                                    site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
+    parallel_branch(ctx, site, x)   a branch beside a module, fed the module's input x; its result is added to the
+                                    module's output (None: no branch). Sites: the sublayers (below; x = T5's
+                                    layer-normed hidden states) and the self-attention projections
+                                    (side, layer, "q" | "k" | "v" | "o") (LoRA, parallel adapters)
+    adapt_sublayer(ctx, site, y)    rewrite a sublayer's output y (before T5's dropout + residual; after the parallel
+                                    branch); site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
     extra_parameters(), parameter_formula()   counts from the real modules, and the closed formula
 
 `ctx` is the `TaskContext` of the current forward/generate call: the batch's task ids and the per-task tensors,
@@ -29,6 +33,7 @@ from hpsearch.model.attention import SIDES, attach, expand_rows, self_attention_
 Prompts = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
 Site = tuple[str, int, str]
 SUBLAYER_KINDS = ("attention", "ffn")
+PROJECTIONS = ("q", "k", "v", "o")  # the linear maps of a T5 self-attention
 
 
 @dataclass
@@ -79,6 +84,12 @@ def sublayer_modules(t5) -> dict[Site, nn.Module]:
     return modules
 
 
+def projection_modules(t5) -> dict[Site, nn.Module]:
+    """{(side, layer, "q" | "k" | "v" | "o"): nn.Linear} of every self-attention (not cross-attention)."""
+    return {(side, i, name): getattr(attn, name)
+            for (side, i), attn in self_attention_modules(t5).items() for name in PROJECTIONS}
+
+
 class MultiTaskT5(nn.Module):
     def __init__(self, t5, tasks, cfg):
         super().__init__()
@@ -90,7 +101,10 @@ class MultiTaskT5(nn.Module):
         use_prompted_attention(t5)
         for site, module in sublayer_modules(t5).items():
             module.hp_site = site
-            module.register_forward_hook(self._sublayer_hook)
+            module.register_forward_hook(self._sublayer_hook, with_kwargs=True)
+        for site, module in projection_modules(t5).items():
+            module.hp_site = site
+            module.register_forward_hook(self._projection_hook)
         if cfg.train_task_params_only:
             t5.requires_grad_(False)
 
@@ -110,6 +124,10 @@ class MultiTaskT5(nn.Module):
     def prepare_encoder_inputs(self, ctx: TaskContext, inputs: dict) -> dict:
         """{input_ids, attention_mask, inputs_embeds} as the encoder will get them. MTL: unchanged."""
         return inputs
+
+    def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+        """Added to the output of the module at `site` given its input x [rows, n, d_in]. MTL: no branch."""
+        return None
 
     def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
         """The sublayer's new output [rows, n, d_model]. MTL: unchanged."""
@@ -154,12 +172,19 @@ class MultiTaskT5(nn.Module):
         finally:
             self._ctx = None
 
-    def _sublayer_hook(self, module, args, output):
+    def _sublayer_hook(self, module, args, kwargs, output):
         if self._ctx is None:  # the backbone called on its own: stock T5
             return None
-        if isinstance(output, tuple):  # T5Attention: (attn_output, position_bias, attn_weights)
-            return (self.adapt_sublayer(self._ctx, module.hp_site, output[0]), *output[1:])
-        return self.adapt_sublayer(self._ctx, module.hp_site, output)
+        y = output[0] if isinstance(output, tuple) else output  # T5Attention: (attn_output, position_bias, weights)
+        branch = self.parallel_branch(self._ctx, module.hp_site, args[0] if args else kwargs["hidden_states"])
+        y = self.adapt_sublayer(self._ctx, module.hp_site, y if branch is None else y + branch)
+        return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    def _projection_hook(self, module, args, output):
+        if self._ctx is None:
+            return None
+        branch = self.parallel_branch(self._ctx, module.hp_site, args[0])
+        return None if branch is None else output + branch
 
     def _encoder_inputs(self, ctx, input_ids, attention_mask, kwargs) -> dict:
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hpsearch.errors import ConfigError
 
-METHODS = ("mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer")
+METHODS = ("mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer", "prefix", "lora", "mam")
 VARIANTS = ("share", "sep", "global")
 PLACEMENTS = ("encoder", "decoder", "both")
 PROMPT_INITS = ("random", "vocab", "labels")
@@ -28,6 +28,9 @@ METHOD_FIELDS: dict[str, tuple[str, ...]] = {
     "adapter": ("bottleneck", "adapter_sites", "train_task_params_only"),
     "hyperformer": ("reduction_factor", "hyperformer_task_dim", "hyperformer_projected_dim",
                     "hyperformer_hidden_dim", "train_task_params_only"),
+    "prefix": ("prompt_length", "prefix_hidden", "train_task_params_only"),
+    "lora": ("lora_rank", "lora_alpha", "lora_dropout", "train_task_params_only"),
+    "mam": ("mam_prefix_length", "prefix_hidden", "bottleneck", "mam_scale", "train_task_params_only"),
 }
 _GLOBAL_ONLY = ("task_embedding_dim", "layer_task_dim", "projection_hidden")
 
@@ -35,19 +38,19 @@ _GLOBAL_ONLY = ("task_embedding_dim", "layer_task_dim", "projection_hidden")
 @dataclass
 class ModelConfig:
     backbone: str = "t5-tiny"            # named offline shape, hub id, or local checkpoint dir
-    method: str = "hyperprompt"          # mtl | hyperprompt | prompt_tuning | adapter | hyperformer
+    method: str = "hyperprompt"          # one of METHODS
     # -- hyperprompt
     variant: str = "global"              # share | sep | global
     placement: str = "both"              # encoder | decoder | both
     prompt_length_encoder: int = 16      # l on the encoder side (paper's best: 16)
     prompt_length_decoder: int = 6       # l on the decoder side (paper's best: 6)
-    bottleneck: int = 32                 # b: hyperprompt's local hypernetworks d -> b -> d; adapter's d -> b -> d
+    bottleneck: int = 32                 # b: hyperprompt's local hypernetworks, adapter's and mam's d -> b -> d
     task_embedding_dim: int = 32         # t': task embedding k_tau and layer embedding z_m (global)
     layer_task_dim: int = 32             # t: layer-aware task embedding I (global)
     projection_hidden: int = 64          # e: hidden size of the projection net 2t' -> e -> t (global)
     hypernet_bias: bool = False          # biases in the hypernetworks (the paper's counts leave them out)
-    # -- prompt_tuning
-    prompt_length: int = 16              # l: soft-prompt vectors per task prepended to the encoder input
+    # -- prompt_tuning, prefix
+    prompt_length: int = 16              # l: soft prompts per task (prompt_tuning), key/value prefixes per layer
     prompt_init: str = "vocab"           # random | vocab | labels (labels fall back to vocab without label ids)
     # -- adapter
     adapter_sites: str = "both"          # ffn | attention | both: after which sublayers of every block
@@ -56,6 +59,15 @@ class ModelConfig:
     hyperformer_task_dim: int = 64       # task, layer-id and block-type embeddings
     hyperformer_projected_dim: int = 64  # task projector output (the generators' input)
     hyperformer_hidden_dim: int = 128    # task projector hidden size
+    # -- prefix, mam (prefix tuning's reparameterisation MLP d -> h -> layers * 2 * d)
+    prefix_hidden: int = 64              # h (Li & Liang: 512, MAM's code: 800; 64 suits t5-tiny's d_model 64)
+    # -- lora (self-attention q and v)
+    lora_rank: int = 8                   # r
+    lora_alpha: float = 8.0              # alpha: the update is (alpha / r) * B A (PEFT's default 8)
+    lora_dropout: float = 0.0            # dropout on the input of the LoRA branch (training only)
+    # -- mam (He et al. 2022): prefix on self-attention + scaled parallel adapter beside the feed-forward
+    mam_prefix_length: int = 30          # l: key/value prefixes per task and layer (the paper's 30)
+    mam_scale: float = 4.0               # s: FFN(LN x) + s * U(ReLU(D(LN x))) (the paper's 4)
     # -- every method with task parameters
     train_task_params_only: bool = False  # freeze the backbone (the paper's ablation; Lester's prompt tuning)
     dropout: float | None = None         # None keeps the backbone's dropout_rate
@@ -100,10 +112,17 @@ class ModelConfig:
         for name, low in (("prompt_length_encoder", 0), ("prompt_length_decoder", 0), ("bottleneck", 1),
                           ("task_embedding_dim", 1), ("layer_task_dim", 1), ("projection_hidden", 1),
                           ("prompt_length", 1), ("reduction_factor", 1), ("hyperformer_task_dim", 1),
-                          ("hyperformer_projected_dim", 1), ("hyperformer_hidden_dim", 1)):
+                          ("hyperformer_projected_dim", 1), ("hyperformer_hidden_dim", 1), ("prefix_hidden", 1),
+                          ("lora_rank", 1), ("mam_prefix_length", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low or value > 4096:
                 raise ConfigError(f"model.{name}: {value!r} is out of range; expected an integer in [{low}, 4096]")
+        for name, valid, text in (("lora_alpha", lambda v: 0 < v <= 4096, "0 < lora_alpha <= 4096"),
+                                  ("mam_scale", lambda v: 0 < v <= 100, "0 < mam_scale <= 100"),
+                                  ("lora_dropout", lambda v: 0 <= v < 1, "0 <= lora_dropout < 1")):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not valid(value):
+                raise ConfigError(f"model.{name}: {value!r} is out of range; expected a number with {text}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: {self.dropout!r} is out of range; expected 0 <= dropout < 1")
         if self.vocab_size is not None and self.vocab_size < 8:

@@ -1,5 +1,7 @@
 """Run under torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu): ZeRO-3 training steps for every method of the library
-(the three HyperPrompt variants, MTL, prompt tuning, adapter, HyperFormer++).
+(the three HyperPrompt variants, MTL, prompt tuning, adapter, HyperFormer++, prefix tuning, LoRA, MAM): training
+steps, synced generation with the task tensors generated and frozen (`freeze_task_params`, as evaluation does), and
+LoRA's single-task merge under `GatheredParameters`.
 
 Writes a JSON report per rank to argv[1]; tests/test_zero3.py asserts on it.
 """
@@ -29,6 +31,9 @@ SETUPS = {
     "prompt_tuning": ("prompt_tuning", dict(prompt_length=4)),
     "adapter": ("adapter", dict(bottleneck=8)),
     "hyperformer": ("hyperformer", {}),  # the released config's sizes; t5-tiny: b = 64 // 32 = 2
+    "prefix": ("prefix", dict(prompt_length=4, prefix_hidden=16)),
+    "lora": ("lora", dict(lora_rank=4, lora_alpha=8.0)),
+    "mam": ("mam", dict(mam_prefix_length=4, prefix_hidden=16, bottleneck=8, mam_scale=4.0)),
 }
 report = {}
 for name, (method, hparams) in SETUPS.items():
@@ -62,8 +67,14 @@ for name, (method, hparams) in SETUPS.items():
     with torch.no_grad():
         generated = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
                                    max_new_tokens=n_new, min_new_tokens=n_new, synced_gpus=True).tolist()
+        model.freeze_task_params()  # every rank runs the generators once (gathering their partitions)
+        frozen = model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                max_new_tokens=n_new, min_new_tokens=n_new, synced_gpus=True).tolist()
     model.train()
+    merged = None
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        if hasattr(model, "merge"):  # LoRA's single-task export reads the gathered weights
+            merged = {k: v.detach().clone() for k, v in model.merge(1).state_dict().items()}
         before = dict(plain.named_parameters())
         changed = {n: not torch.equal(p.detach(), before[n].detach())
                    for n, p in model.named_parameters() if not n.startswith("t5.")}
@@ -73,7 +84,9 @@ for name, (method, hparams) in SETUPS.items():
     with torch.no_grad():
         expected = plain.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
                                   max_new_tokens=n_new, min_new_tokens=n_new).tolist()
-    report[name] = dict(generated=generated, expected=expected, plain_loss=plain_loss, losses=losses,
+        merge_equal = merged is None or all(torch.equal(v, merged[k]) for k, v in plain.merge(1).state_dict().items())
+    report[name] = dict(generated=generated, frozen=frozen, merge_equal=merge_equal, merged=merged is not None,
+                        expected=expected, plain_loss=plain_loss, losses=losses,
                         local_shapes=local_shapes, partitioned=partitioned, changed=changed,
                         backbone_changed=backbone_changed, extra=model.extra_parameters(),
                         plain_extra=plain.extra_parameters())
