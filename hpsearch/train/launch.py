@@ -64,7 +64,9 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
     checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`)."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from hpsearch.train.rendezvous import BoundTorchConfig
 
     resources = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:
@@ -75,7 +77,7 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
         loop,
         train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
                            else None},
-        torch_config=TorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+        torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
