@@ -43,7 +43,8 @@ def describe(m) -> str:
     if m.method == "prompt_tuning":
         return f"prompt_tuning (l={m.prompt_length}, init={m.prompt_init})"
     if m.method == "adapter":
-        return f"adapter (b={m.bottleneck}, sites={m.adapter_sites})"
+        return (f"adapter (b={m.bottleneck}, sites={m.adapter_sites}, {m.adapter_insertion}, "
+                f"s={m.adapter_scale:g})")
     if m.method == "hyperformer":
         return f"hyperformer++ (reduction factor {m.reduction_factor})"
     if m.method == "prefix":
@@ -52,6 +53,9 @@ def describe(m) -> str:
         return f"lora (r={m.lora_rank}, alpha={m.lora_alpha:g}, q and v)"
     if m.method == "mam":
         return f"mam (prefix l={m.mam_prefix_length}, h={m.prefix_hidden}; adapter b={m.bottleneck}, s={m.mam_scale:g})"
+    if m.method == "pha":
+        return (f"pha (prototypes p={m.pha_dim}, retriever r={m.pha_retriever_hidden}, hypernetwork h={m.pha_hidden}; "
+                f"adapter b={m.bottleneck}; lambda={m.pha_loss_weight:g}, temperature={m.pha_temperature:g})")
     return m.method
 
 

@@ -7,9 +7,13 @@ equal dynamic ones and skip the generators.
 Baselines: prompt tuning == stock T5 fed [prompt; embed(ids)]; adapter and HyperFormer++ blocks == hand-written
 blocks; HyperFormer++'s generated weights == a re-computation from the raw parameters; LoRA == stock T5 with q, v
 merged by hand; prefix == the attention hook fed the MLP's prefixes computed by hand; MAM's feed-forward sublayer ==
-the hand-written scaled parallel adapter.
+the hand-written scaled parallel adapter; PHA's feed-forward == a parallel adapter whose weights are re-computed from
+the raw prototypes, block embeddings, hypernetwork and heads, its loss == LM + lambda (L_IR + L_Pro) written out
+term by term, and its retriever picks the nearest prototype.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -32,15 +36,15 @@ SETUPS = {
     "adapter": ("adapter", dict(bottleneck=4)),
     "adapter-ffn": ("adapter", dict(bottleneck=4, adapter_sites="ffn")),
     "adapter-attention": ("adapter", dict(bottleneck=4, adapter_sites="attention")),
+    "adapter-parallel": ("adapter", dict(bottleneck=4, adapter_insertion="parallel", adapter_scale=2.5)),
     "hyperformer": ("hyperformer", HF),
     "prefix": ("prefix", dict(prompt_length=3, prefix_hidden=5)),
     "lora": ("lora", dict(lora_rank=2, lora_alpha=3.0)),
     "mam": ("mam", dict(mam_prefix_length=2, prefix_hidden=5, bottleneck=4, mam_scale=2.5)),
+    "pha": ("pha", dict(bottleneck=4, pha_dim=5, pha_retriever_hidden=6, pha_hidden=7)),
 }
 WITH_TASK_PARAMS = [name for name in SETUPS if name != "mtl"]
 PROMPTED = ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "prefix", "mam"]  # key/value prompts
-
-
 
 
 def make(name, seed=0, config=None, **kw):
@@ -60,14 +64,6 @@ def perturb(model, std=0.3, seed=5):
         for p in method_params(model).values():
             p.add_(torch.randn(p.shape, generator=g) * std)
     return model
-
-
-
-
-
-
-
-
 
 
 # ---- the contract, for every method -------------------------------------------------------------------------
@@ -152,6 +148,12 @@ def expected_extra(name, shape, T) -> int:
             return prefix
         b = kw["bottleneck"]
         return prefix + T * M * ((d * b + b) + (b * d + d))                   # one D, c, U, u per task and FFN
+    if method == "pha":
+        b, p, r, h, M = kw["bottleneck"], kw["pha_dim"], kw["pha_retriever_hidden"], kw["pha_hidden"], Le + Ld
+        return (T * p + M * p                                                  # prototypes, block embeddings
+                + (d * r + r) + (r * p + p)                                    # retriever d -> r -> p
+                + (2 * p * h + h) + (h * p + p) + 2 * p                        # hypernetwork 2p -> h -> p, LN
+                + (p * b * d + b * d) + (p * b + b) + (p * d * b + d * b) + (p * d + d))  # heads D, c, U, u
     if method == "lora":
         r = kw["lora_rank"]
         return T * (Le + Ld) * 2 * (r * d + di * r)                            # A [r, d], B [d_i, r] for q and v
@@ -312,13 +314,15 @@ def hand_self_attention(attn, rel, h, key_mask, causal):
     return (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(b, n, heads * dkv) @ attn.o.weight.T
 
 
-def adapter_by_hand(model, side, layer, kind, y, task_ids):
-    """y + U(ReLU(D y + c)) + u with the raw parameters of each row's task."""
+def adapter_by_hand(model, side, layer, kind, y, task_ids, x):
+    """y + s (U(ReLU(D v + c)) + u) with the raw parameters of each row's task; v = y (sequential) or the
+    sublayer's input x (parallel)."""
     a = model.adapters[f"{side}_{layer}_{kind}"]
+    s, v = model.cfg.adapter_scale, (x if model.cfg.adapter_insertion == "parallel" else y)
     out = []
     for row, task in enumerate(task_ids.tolist()):
-        h = torch.relu(y[row] @ a.down_weight[task].T + a.down_bias[task])
-        out.append(y[row] + h @ a.up_weight[task].T + a.up_bias[task])
+        h = torch.relu(v[row] @ a.down_weight[task].T + a.down_bias[task])
+        out.append(y[row] + s * (h @ a.up_weight[task].T + a.up_bias[task]))
     return torch.stack(out)
 
 
@@ -358,7 +362,7 @@ def capture(module, store, key):
     return module.register_forward_hook(hook, with_kwargs=True)
 
 
-@pytest.mark.parametrize("name", ["adapter", "adapter-ffn", "adapter-attention", "hyperformer"])
+@pytest.mark.parametrize("name", ["adapter", "adapter-ffn", "adapter-attention", "adapter-parallel", "hyperformer"])
 @pytest.mark.parametrize("side,layer", [("encoder", 1), ("decoder", 1)])
 def test_block_equals_hand_written_adapters(name, side, layer, batch):
     model = perturb(make(name))
@@ -372,12 +376,15 @@ def test_block_equals_hand_written_adapters(name, side, layer, batch):
     for h in hooks:
         h.remove()
     sites = {"adapter": ("attention", "ffn"), "adapter-ffn": ("ffn",), "adapter-attention": ("attention",),
-             "hyperformer": ("attention", "ffn")}[name]
-    by_hand = hyperformer_by_hand if name == "hyperformer" else adapter_by_hand
+             "adapter-parallel": ("attention", "ffn"), "hyperformer": ("attention", "ffn")}[name]
     tids = batch["task_ids"]
 
-    def adapt(kind, y):
-        return by_hand(model, side, layer, kind, y, tids) if kind in sites else y
+    def adapt(kind, y, x):
+        if kind not in sites:
+            return y
+        if name == "hyperformer":
+            return hyperformer_by_hand(model, side, layer, kind, y, tids)
+        return adapter_by_hand(model, side, layer, kind, y, tids, x)
 
     h = seen["block"][0]
     key_mask = batch["attention_mask"] if side == "encoder" else torch.ones(h.shape[:2], dtype=torch.long)
@@ -385,14 +392,14 @@ def test_block_equals_hand_written_adapters(name, side, layer, batch):
     with torch.no_grad():
         sa = ref.layer[0]
         attn = hand_self_attention(sa.SelfAttention, rel, sa.layer_norm(h), key_mask, causal=side == "decoder")
-        h1 = h + adapt("attention", attn)
+        h1 = h + adapt("attention", attn, sa.layer_norm(h))
         # the decoder's cross-attention is not adapted: take its output from the run, after checking its input
         if side == "decoder":
             assert (seen["second"][0] - h1).abs().max() <= 1e-4
             h1 = seen["second"][1]
         ff = ref.layer[-1]
         y = ff.DenseReluDense(ff.layer_norm(h1))
-        out = h1 + adapt("ffn", y)
+        out = h1 + adapt("ffn", y, ff.layer_norm(h1))
         plain = h1 + y
     real = key_mask.bool()
     assert (seen["block"][1][real] - out[real]).abs().max() <= 1e-4
@@ -522,6 +529,97 @@ def test_mam_feed_forward_equals_hand_written_scaled_parallel_adapter(side, batc
     assert (got - h - ff.DenseReluDense(x)).abs().max() > 1e-2  # the adapter matters
 
 
+# ---- PHA -----------------------------------------------------------------------------------------------------
+def pha_weights_by_hand(model, task: int, block: int):
+    """D, c, U, u of one (task, block) from the raw parameters: [k; e] -> W1, ReLU, W2, LayerNorm -> heads."""
+    k, e = model.prototypes.weight[task], model.block_embeddings.weight[block]
+    (w1, _, w2, ln) = model.hypernet
+    i = torch.relu(torch.cat([k, e]) @ w1.weight.T + w1.bias) @ w2.weight.T + w2.bias
+    i = (i - i.mean()) / torch.sqrt(i.var(unbiased=False) + ln.eps) * ln.weight + ln.bias
+    d, b = model.t5.config.d_model, model.cfg.bottleneck
+    head = lambda lin: i @ lin.weight.T + lin.bias
+    return (head(model.down_weight).view(b, d), head(model.down_bias), head(model.up_weight).view(d, b),
+            head(model.up_bias))
+
+
+@pytest.mark.parametrize("side,layer", [("encoder", 1), ("decoder", 0)])
+def test_pha_feed_forward_equals_parallel_adapter_recomputed_from_raw_parameters(side, layer, batch):
+    model = perturb(make("pha"))
+    ff = getattr(model.t5, side).block[layer].layer[-1]
+    seen = {}
+    hook = capture(ff, seen, "ffn")
+    with torch.no_grad():
+        model(**batch)
+    hook.remove()
+    h, got = seen["ffn"]
+    block = model.blocks.index((side, layer))
+    with torch.no_grad():
+        x = ff.layer_norm(h)
+        out = []
+        for row, t in enumerate(batch["task_ids"].tolist()):
+            D, c, U, u = pha_weights_by_hand(model, t, block)
+            out.append(h[row] + ff.DenseReluDense(x[row]) + torch.relu(x[row] @ D.T + c) @ U.T + u)
+        want = torch.stack(out)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - h - ff.DenseReluDense(x)).abs().max() > 1e-2  # the adapter matters
+
+
+def test_pha_loss_is_lm_plus_weighted_contrastive_terms_written_out(batch):
+    model = perturb(make("pha", pha_temperature=0.5, pha_loss_weight=0.3))
+    ids = batch["task_ids"]
+    with torch.no_grad():
+        out = model(**batch)
+        lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        enc, am = out.encoder_last_hidden_state, batch["attention_mask"]
+        pooled = torch.stack([enc[i, am[i].bool()].mean(0) for i in range(len(ids))])  # real tokens only
+        lin1, _, lin2 = model.retriever
+        z = torch.relu(pooled @ lin1.weight.T + lin1.bias) @ lin2.weight.T + lin2.bias
+        cos = lambda a, b: float(a @ b / (a.norm() * b.norm()))
+        t, n = 0.5, len(ids)
+        ir, anchors = 0.0, 0
+        for i in range(n):  # instance-instance InfoNCE: positives are the other rows of the same task
+            pos = [j for j in range(n) if j != i and ids[j] == ids[i]]
+            if not pos:
+                continue
+            anchors += 1
+            num = sum(math.exp(cos(z[i], z[j]) / t) for j in pos)
+            den = sum(math.exp(cos(z[i], z[j]) / t) for j in range(n) if j != i)
+            ir += -math.log(num / den)
+        ir /= anchors
+        protos = model.prototypes.weight
+        pro = sum(-math.log(math.exp(cos(z[i], protos[ids[i]]) / t)
+                            / sum(math.exp(cos(z[i], protos[k]) / t) for k in range(len(TASKS))))
+                  for i in range(n)) / n
+    assert anchors == 2  # rows 0 and 3 share task 0; tasks 1 and 2 have one row each
+    assert abs(out.aux_losses["ir_loss"].item() - ir) <= 1e-5
+    assert abs(out.aux_losses["proto_loss"].item() - pro) <= 1e-5
+    assert abs(out.loss.item() - (lm.item() + 0.3 * (ir + pro))) <= 1e-5
+
+
+def test_pha_retriever_picks_the_nearest_prototype():
+    from hpsearch.model.pha import instance_loss
+    model = make("pha")
+    d = model.t5.config.d_model
+    with torch.no_grad():  # a retriever that passes the first p features through; prototypes on the axes
+        lin1, _, lin2 = model.retriever
+        p = lin2.out_features
+        lin1.weight.zero_(), lin1.bias.zero_(), lin2.weight.zero_(), lin2.bias.zero_()
+        lin1.weight[:p, :p] = torch.eye(p)
+        lin2.weight[:, :p] = torch.eye(p)
+        model.prototypes.weight.copy_(torch.eye(p)[:len(TASKS)] * 3.0)
+    for task in range(len(TASKS)):
+        hidden = torch.rand(6, 4, d) * 0.1  # small positive noise, plus a strong feature on the task's axis
+        hidden[..., task] += 1.0
+        mask = torch.ones(6, 4)
+        mask[:, 3] = 0
+        hidden[:, 3] = -50.0  # padding must not count in the mean
+        assert model.nearest_prototype(hidden, mask) == task
+    # the contrastive loss is low when same-task instances agree and high when they disagree
+    z = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    tids = torch.tensor([0, 0, 1, 1])
+    assert instance_loss(z, tids, 0.1) < 0.01 < instance_loss(z, torch.tensor([0, 1, 0, 1]), 0.1)
+
+
 # ---- config: which fields a method uses ----------------------------------------------------------------------
 def test_method_fields_cover_the_config():
     names = {f for f in ModelConfig.__dataclass_fields__}
@@ -540,7 +638,8 @@ def test_method_fields_cover_the_config():
      {"variant", "placement", "prompt_length_decoder", "bottleneck", "hypernet_bias", "train_task_params_only",
       "task_embedding_dim", "layer_task_dim", "projection_hidden"}),
     (dict(method="prompt_tuning"), {"prompt_length", "prompt_init", "train_task_params_only"}),
-    (dict(method="adapter"), {"bottleneck", "adapter_sites", "train_task_params_only"}),
+    (dict(method="adapter"), {"bottleneck", "adapter_sites", "adapter_insertion", "adapter_scale",
+                              "train_task_params_only"}),
     (dict(method="hyperformer"), {"reduction_factor", "hyperformer_task_dim", "hyperformer_projected_dim",
                                   "hyperformer_hidden_dim", "train_task_params_only"}),
     (dict(method="prefix"), {"prompt_length", "prefix_hidden", "train_task_params_only"}),

@@ -111,6 +111,17 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert model.cfg.variant == "global" and model.extra_parameters()["total"] == full["extra_params"]
 
 
+def test_pha_trains_and_logs_its_auxiliary_losses(tmp_path):
+    args = ["--local", "model.method=pha", "data.batching=mixed", "train.max_steps=10", "train.eval_every=5", "train.micro_batch_size=8",
+            "data.synthetic_train_rows=100", "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}"]
+    out = final_json(run_train(*args))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10]
+    for r in rows:  # the mean of each evaluation window's auxiliary losses (batches mix tasks: both are positive)
+        assert r["ir_loss"] > 0 and r["proto_loss"] > 0
+    assert out["step"] == 10 and out["test_score"] is not None
+
+
 @pytest.mark.slow
 def test_resume_restores_an_older_best_checkpoint(tmp_path):
     """lr=0 after warm-up: the score never improves, so the best stays at step 20 across the resume."""

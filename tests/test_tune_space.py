@@ -221,25 +221,29 @@ def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
 def test_method_is_a_searched_axis_with_its_own_fields():
     space = load_space(SPACES / "methods.yaml")
     assert space.param("model.method").choices == ["mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer",
-                                                   "prefix", "lora", "mam"]
+                                                   "prefix", "lora", "mam", "pha"]
     seen = {}
     for method in space.param("model.method").choices:  # each method draws only its own fields
         trial = optuna.trial.FixedTrial({"model.method": method, "model.variant": "global", "model.placement": "both",
                                          "model.prompt_length_encoder": 4, "model.prompt_length_decoder": 2,
                                          "model.bottleneck": 8, "model.prompt_length": 8, "model.prompt_init": "vocab",
                                          "model.adapter_sites": "ffn", "model.reduction_factor": 4,
-                                         "model.lora_rank": 4, "model.mam_scale": 2.0})
+                                         "model.lora_rank": 4, "model.mam_scale": 2.0,
+                                         "model.adapter_insertion": "parallel", "model.adapter_scale": 4.0,
+                                         "model.pha_loss_weight": 0.3})
         space.define_by_run()(trial)
         seen[method] = set(trial.params)
         cfg = space.trial_config(trial.params)
         assert {f"model.{f}" for f in cfg.model.active_fields()} >= seen[method] - {"model.method"}
     assert seen["mtl"] == {"model.method"}
     assert seen["prompt_tuning"] == {"model.method", "model.prompt_length", "model.prompt_init"}
-    assert seen["adapter"] == {"model.method", "model.bottleneck", "model.adapter_sites"}
+    assert seen["adapter"] == {"model.method", "model.bottleneck", "model.adapter_sites", "model.adapter_insertion",
+                               "model.adapter_scale"}
     assert "model.variant" in seen["hyperprompt"] and "model.prompt_length" not in seen["hyperprompt"]
     assert seen["prefix"] == {"model.method", "model.prompt_length"}
     assert seen["lora"] == {"model.method", "model.lora_rank"}
     assert seen["mam"] == {"model.method", "model.bottleneck", "model.mam_scale"}
+    assert seen["pha"] == {"model.method", "model.bottleneck", "model.pha_loss_weight"}
     assert len(space.points_to_evaluate) == len(space.param("model.method").choices)  # every method once first
 
 

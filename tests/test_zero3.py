@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 METHODS = ("hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "mtl", "prompt_tuning", "adapter",
-           "hyperformer", "prefix", "lora", "mam")
+           "hyperformer", "prefix", "lora", "mam", "pha")
 
 
 def test_zero3_step_every_method(tmp_path):

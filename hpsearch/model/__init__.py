@@ -2,7 +2,7 @@
 
     model = build_model("t5-tiny", "hyperprompt", tasks=["rte", "cb"], variant="global", placement="both")
     model = build_model("t5-tiny", "hyperformer", tasks=["rte", "cb"], reduction_factor=32)
-    model = build_model("t5-tiny", "lora", tasks=["rte", "cb"], lora_rank=8)     # also prefix, mam
+    model = build_model("t5-tiny", "lora", tasks=["rte", "cb"], lora_rank=8)     # also prefix, mam, pha
     out = model(input_ids, attention_mask, labels=labels, task_ids=task_ids)   # HF Seq2SeqLMOutput
     ids = model.generate(input_ids, attention_mask, task_ids=task_ids, max_new_tokens=5)
 """
@@ -21,6 +21,7 @@ from hpsearch.model.hyperprompt import HyperPromptT5
 from hpsearch.model.lora import LoRAT5
 from hpsearch.model.mam import MAMT5
 from hpsearch.model.mtl import MultiTaskBaseline
+from hpsearch.model.pha import PHAT5
 from hpsearch.model.prefix import PrefixT5
 from hpsearch.model.prompt_tuning import PromptTuningT5
 
@@ -33,6 +34,7 @@ METHOD_CLASSES = {
     "prefix": PrefixT5,
     "lora": LoRAT5,
     "mam": MAMT5,
+    "pha": PHAT5,
 }
 
 __all__ = ["METHOD_CLASSES", "METHOD_FIELDS", "NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config",

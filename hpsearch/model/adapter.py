@@ -1,11 +1,14 @@
 """Adapter: per-task bottleneck adapters (Houlsby et al. 2019) made multi-task as in HyperFormer's baseline.
 
-In every block of both stacks, after the self-attention sublayer and/or the feed-forward sublayer
+In every block of both stacks, at the self-attention sublayer and/or the feed-forward sublayer
 (`adapter_sites`: attention | ffn | both), the sublayer output y (before T5's dropout and residual) becomes
 
-    y' = y + U_tau(ReLU(D_tau y + c_tau)) + u_tau         D_tau: d -> b, U_tau: b -> d, one pair per task tau
+    sequential:  y' = y + s * (U_tau(ReLU(D_tau y + c_tau)) + u_tau)      D_tau: d -> b, U_tau: b -> d, per task tau
+    parallel:    y' = y + s * (U_tau(ReLU(D_tau x + c_tau)) + u_tau)      x: the sublayer's input (T5's LN h)
 
-(HyperFormer's placement; the issue's form: ReLU, no layer norm). Weights start at N(0, 0.01^2) and biases at
+(`adapter_insertion`, default sequential: HyperFormer's placement; the issue's form: ReLU, no layer norm. The
+parallel form and the composition scale s = `adapter_scale`, default 1, are the unified view's axes (He et al.
+2022): parallel insertion and a scaled sum did better there.) Weights start at N(0, 0.01^2) and biases at
 zero as in HyperFormer's code, so a new adapter is close to the identity.
 
 Extra parameters (T tasks, S adapted sublayers = (L_enc + L_dec) * (2 if both else 1), b = `bottleneck`):
@@ -40,11 +43,11 @@ class TaskAdapter(nn.Module):
         self.up_weight = nn.Parameter(torch.randn(num_tasks, d_model, bottleneck) * std)
         self.up_bias = nn.Parameter(torch.zeros(num_tasks, d_model))
 
-    def forward(self, y: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
+        """U_tau(ReLU(D_tau x + c_tau)) + u_tau for each row's task (the residual is the caller's)."""
         ids = task_ids.to(self.down_weight.device)
-        out = row_bottleneck(y, self.down_weight[ids].to(y.dtype), self.down_bias[ids].to(y.dtype),
-                             self.up_weight[ids].to(y.dtype), self.up_bias[ids].to(y.dtype))
-        return y + out
+        return row_bottleneck(x, self.down_weight[ids].to(x.dtype), self.down_bias[ids].to(x.dtype),
+                              self.up_weight[ids].to(x.dtype), self.up_bias[ids].to(x.dtype))
 
 
 def adapted_sites(t5, adapter_sites: str) -> list[Site]:
@@ -65,11 +68,17 @@ class AdapterT5(MultiTaskT5):
         self.adapters = nn.ModuleDict({site_name(s): TaskAdapter(len(self.tasks), t5.config.d_model, cfg.bottleneck)
                                        for s in self.sites})
 
+    def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+        name = site_name(site)
+        if self.cfg.adapter_insertion != "parallel" or name not in self.adapters:
+            return None
+        return self.cfg.adapter_scale * self.adapters[name](x, ctx.ids(x.shape[0]))
+
     def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
         name = site_name(site)
-        if name not in self.adapters:
+        if self.cfg.adapter_insertion != "sequential" or name not in self.adapters:
             return output
-        return self.adapters[name](output, ctx.ids(output.shape[0]))
+        return output + self.cfg.adapter_scale * self.adapters[name](output, ctx.ids(output.shape[0]))
 
     def parameter_formula(self) -> Formula:
         d, b, T, S = self.t5.config.d_model, self.cfg.bottleneck, len(self.tasks), len(self.sites)

@@ -13,6 +13,8 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     (side, layer, "q" | "k" | "v" | "o") (LoRA, parallel adapters)
     adapt_sublayer(ctx, site, y)    rewrite a sublayer's output y (before T5's dropout + residual; after the parallel
                                     branch); site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
+    auxiliary_losses(ctx, enc, mask)   (term added to the training loss, {name: value to log}) from the encoder
+                                    output [batch, n, d] and its mask; runs on every forward with labels (PHA)
     extra_parameters(), parameter_formula()   counts from the real modules, and the closed formula
 
 `ctx` is the `TaskContext` of the current forward/generate call: the batch's task ids and the per-task tensors,
@@ -133,6 +135,10 @@ class MultiTaskT5(nn.Module):
         """The sublayer's new output [rows, n, d_model]. MTL: unchanged."""
         return output
 
+    def auxiliary_losses(self, ctx: TaskContext, encoder_hidden: torch.Tensor, encoder_mask: torch.Tensor):
+        """(a term added to the loss, {name: its parts to log}) on a forward with labels. MTL: none."""
+        return None, {}
+
     def parameter_formula(self) -> Formula:
         return Formula("0")
 
@@ -225,8 +231,17 @@ class MultiTaskT5(nn.Module):
         ctx = self.task_context(task_ids, rows)
         with self._using(ctx):
             inputs = self._encoder_inputs(ctx, input_ids, attention_mask, kwargs)
-            return self.t5(**inputs, labels=labels, decoder_input_ids=decoder_input_ids,
-                           decoder_attention_mask=decoder_attention_mask, **kwargs)
+            out = self.t5(**inputs, labels=labels, decoder_input_ids=decoder_input_ids,
+                          decoder_attention_mask=decoder_attention_mask, **kwargs)
+        if labels is not None:
+            mask = inputs["attention_mask"]
+            if mask is None:
+                mask = torch.ones(out.encoder_last_hidden_state.shape[:2], device=out.encoder_last_hidden_state.device)
+            extra, parts = self.auxiliary_losses(ctx, out.encoder_last_hidden_state, mask)
+            if extra is not None:
+                out.loss = out.loss + extra
+            out.aux_losses = {name: value.detach() for name, value in parts.items()}  # the loop logs their means
+        return out
 
     @torch.no_grad()
     def generate(self, input_ids=None, attention_mask=None, task_ids=None, **generation_kwargs):

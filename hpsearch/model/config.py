@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from hpsearch.errors import ConfigError
 
-METHODS = ("mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer", "prefix", "lora", "mam")
+METHODS = ("mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer", "prefix", "lora", "mam", "pha")
 VARIANTS = ("share", "sep", "global")
 PLACEMENTS = ("encoder", "decoder", "both")
 PROMPT_INITS = ("random", "vocab", "labels")
 ADAPTER_SITES = ("ffn", "attention", "both")
+ADAPTER_INSERTIONS = ("sequential", "parallel")
 
 # Fields every method uses.
 COMMON_FIELDS = ("backbone", "method", "dropout", "vocab_size")
@@ -25,12 +26,14 @@ METHOD_FIELDS: dict[str, tuple[str, ...]] = {
                     "task_embedding_dim", "layer_task_dim", "projection_hidden", "hypernet_bias",
                     "train_task_params_only"),
     "prompt_tuning": ("prompt_length", "prompt_init", "train_task_params_only"),
-    "adapter": ("bottleneck", "adapter_sites", "train_task_params_only"),
+    "adapter": ("bottleneck", "adapter_sites", "adapter_insertion", "adapter_scale", "train_task_params_only"),
     "hyperformer": ("reduction_factor", "hyperformer_task_dim", "hyperformer_projected_dim",
                     "hyperformer_hidden_dim", "train_task_params_only"),
     "prefix": ("prompt_length", "prefix_hidden", "train_task_params_only"),
     "lora": ("lora_rank", "lora_alpha", "lora_dropout", "train_task_params_only"),
     "mam": ("mam_prefix_length", "prefix_hidden", "bottleneck", "mam_scale", "train_task_params_only"),
+    "pha": ("bottleneck", "pha_dim", "pha_retriever_hidden", "pha_hidden", "pha_temperature", "pha_loss_weight",
+            "train_task_params_only"),
 }
 _GLOBAL_ONLY = ("task_embedding_dim", "layer_task_dim", "projection_hidden")
 
@@ -54,6 +57,8 @@ class ModelConfig:
     prompt_init: str = "vocab"           # random | vocab | labels (labels fall back to vocab without label ids)
     # -- adapter
     adapter_sites: str = "both"          # ffn | attention | both: after which sublayers of every block
+    adapter_insertion: str = "sequential"  # sequential (on the sublayer output) | parallel (beside it, fed its input)
+    adapter_scale: float = 1.0           # s: composition scale of the adapter's output (unified view)
     # -- hyperformer (HyperFormer++; defaults from its released config)
     reduction_factor: int = 32           # adapter bottleneck b = d_model // reduction_factor (T5-Base: 24)
     hyperformer_task_dim: int = 64       # task, layer-id and block-type embeddings
@@ -68,6 +73,12 @@ class ModelConfig:
     # -- mam (He et al. 2022): prefix on self-attention + scaled parallel adapter beside the feed-forward
     mam_prefix_length: int = 30          # l: key/value prefixes per task and layer (the paper's 30)
     mam_scale: float = 4.0               # s: FFN(LN x) + s * U(ReLU(D(LN x))) (the paper's 4)
+    # -- pha (Zhao et al. 2023; defaults from its code): prototypes, retriever, hypernetwork, contrastive losses
+    pha_dim: int = 64                    # p: prototypes, retriever output, block embeddings, hypernetwork output
+    pha_retriever_hidden: int = 128      # r: retriever d -> r -> p
+    pha_hidden: int = 128                # h: hypernetwork 2p -> h -> p
+    pha_temperature: float = 0.1         # InfoNCE temperature of both auxiliary losses
+    pha_loss_weight: float = 0.1         # lambda: L = L_LM + lambda * (L_IR + L_Pro)
     # -- every method with task parameters
     train_task_params_only: bool = False  # freeze the backbone (the paper's ablation; Lester's prompt tuning)
     dropout: float | None = None         # None keeps the backbone's dropout_rate
@@ -107,19 +118,24 @@ class ModelConfig:
         choice("placement", PLACEMENTS)
         choice("prompt_init", PROMPT_INITS)
         choice("adapter_sites", ADAPTER_SITES)
+        choice("adapter_insertion", ADAPTER_INSERTIONS)
         if not self.backbone:
             raise ConfigError("model.backbone: empty; expected a named shape (e.g. t5-tiny), a hub id or a path")
         for name, low in (("prompt_length_encoder", 0), ("prompt_length_decoder", 0), ("bottleneck", 1),
                           ("task_embedding_dim", 1), ("layer_task_dim", 1), ("projection_hidden", 1),
                           ("prompt_length", 1), ("reduction_factor", 1), ("hyperformer_task_dim", 1),
                           ("hyperformer_projected_dim", 1), ("hyperformer_hidden_dim", 1), ("prefix_hidden", 1),
-                          ("lora_rank", 1), ("mam_prefix_length", 1)):
+                          ("lora_rank", 1), ("mam_prefix_length", 1), ("pha_dim", 1),
+                          ("pha_retriever_hidden", 1), ("pha_hidden", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low or value > 4096:
                 raise ConfigError(f"model.{name}: {value!r} is out of range; expected an integer in [{low}, 4096]")
         for name, valid, text in (("lora_alpha", lambda v: 0 < v <= 4096, "0 < lora_alpha <= 4096"),
                                   ("mam_scale", lambda v: 0 < v <= 100, "0 < mam_scale <= 100"),
-                                  ("lora_dropout", lambda v: 0 <= v < 1, "0 <= lora_dropout < 1")):
+                                  ("adapter_scale", lambda v: 0 < v <= 100, "0 < adapter_scale <= 100"),
+                                  ("lora_dropout", lambda v: 0 <= v < 1, "0 <= lora_dropout < 1"),
+                                  ("pha_temperature", lambda v: 0 < v <= 100, "0 < pha_temperature <= 100"),
+                                  ("pha_loss_weight", lambda v: 0 <= v <= 100, "0 <= pha_loss_weight <= 100")):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not valid(value):
                 raise ConfigError(f"model.{name}: {value!r} is out of range; expected a number with {text}")

@@ -103,6 +103,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     evaluator = Evaluator(engine, suite, tokenizer, cfg, rank, world, device)
     t_start, tokens, loss_sum, loss_n, t_last = time.perf_counter(), 0, 0.0, 0, time.perf_counter()
+    aux_sums: dict[str, torch.Tensor] = {}  # a method's auxiliary losses (PHA), summed on the device
     lr_used = cfg.train.lr
     steps_at_start = step
     final: dict = {}
@@ -114,7 +115,10 @@ def train_loop(loop_config: dict, session=None) -> dict:
             examples = [suite.split(suite.tasks[t], "train")[i] for t, i in picks]
             batch = {k: v.to(device) for k, v in encode_batch(examples, [t for t, _ in picks], tokenizer,
                                                               cfg.data).items()}
-            loss = engine(**batch).loss
+            out = engine(**batch)
+            loss = out.loss
+            for name, value in getattr(out, "aux_losses", {}).items():
+                aux_sums[name] = aux_sums.get(name, 0.0) + value / cfg.train.grad_accum
             if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                 loss = loss * float("nan")
             if _all_ranks_any(not torch.isfinite(loss).item(), device):
@@ -137,10 +141,13 @@ def train_loop(loop_config: dict, session=None) -> dict:
                                f"ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
         if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
             now = time.perf_counter()
-            loss_total, tokens_total = _all_ranks_sum([loss_sum, tokens], device)  # over all ranks' shards
+            aux_names = sorted(aux_sums)
+            loss_total, tokens_total, *aux_totals = _all_ranks_sum(  # over all ranks' shards
+                [loss_sum, tokens, *(float(aux_sums[n]) for n in aux_names)], device)
             metrics = {"step": step, "loss": loss_total / (loss_n * world), "lr": lr_used,
                        "step_time": (now - t_last) / loss_n, "tokens_per_s": tokens_total / (now - t_last),
-                       "extra_params": extra_params}
+                       "extra_params": extra_params,
+                       **{n: total / (loss_n * world) for n, total in zip(aux_names, aux_totals)}}
             metrics.update(evaluator.evaluate("validation"))
             if metrics["score"] > best["score"]:
                 best = {"score": metrics["score"], "step": step}
@@ -158,7 +165,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
                         f.write(json.dumps(final) + "\n")
                     checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
                 session.report(final, ckpt)
-            tokens, loss_sum, loss_n, t_last = 0, 0.0, 0, time.perf_counter()
+            tokens, loss_sum, loss_n, t_last, aux_sums = 0, 0.0, 0, time.perf_counter(), {}
     return final
 
 

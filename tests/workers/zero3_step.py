@@ -34,6 +34,7 @@ SETUPS = {
     "prefix": ("prefix", dict(prompt_length=4, prefix_hidden=16)),
     "lora": ("lora", dict(lora_rank=4, lora_alpha=8.0)),
     "mam": ("mam", dict(mam_prefix_length=4, prefix_hidden=16, bottleneck=8, mam_scale=4.0)),
+    "pha": ("pha", dict(bottleneck=8, pha_dim=8, pha_retriever_hidden=16, pha_hidden=16)),
 }
 report = {}
 for name, (method, hparams) in SETUPS.items():
