@@ -112,7 +112,8 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
 
 
 def test_pha_trains_and_logs_its_auxiliary_losses(tmp_path):
-    args = ["--local", "model.method=pha", "data.batching=mixed", "train.max_steps=10", "train.eval_every=5", "train.micro_batch_size=8",
+    args = ["--local", "model.method=pha", "data.batching=mixed", "train.max_steps=10", "train.eval_every=5",
+            "train.micro_batch_size=8",
             "data.synthetic_train_rows=100", "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}"]
     out = final_json(run_train(*args))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

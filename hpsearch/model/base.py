@@ -15,6 +15,8 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     branch); site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
     auxiliary_losses(ctx, enc, mask)   (term added to the training loss, {name: value to log}) from the encoder
                                     output [batch, n, d] and its mask; runs on every forward with labels (PHA)
+    nearest_task(batch)             the existing task a new task's rows are closest to (few-shot transfer starts
+                                    the new task from it); by default the task under which their loss is lowest
     extra_parameters(), parameter_formula()   counts from the real modules, and the closed formula
 
 `ctx` is the `TaskContext` of the current forward/generate call: the batch's task ids and the per-task tensors,
@@ -141,6 +143,15 @@ class MultiTaskT5(nn.Module):
 
     def parameter_formula(self) -> Formula:
         return Formula("0")
+
+    @torch.no_grad()
+    def nearest_task(self, batch: dict) -> int:
+        """The existing task whose conditioning gives these rows (input_ids, attention_mask, labels) the lowest
+        loss: the task a new task's parameters start from in few-shot transfer (PHA: its nearest prototype)."""
+        rows = batch["input_ids"].shape[0]
+        losses = [float(self(**{**batch, "task_ids": torch.full((rows,), t, dtype=torch.long)}).loss)
+                  for t in range(len(self.tasks))]
+        return min(range(len(losses)), key=losses.__getitem__)
 
     def init_task_params(self, label_token_ids: list[list[list[int]]] | None = None) -> None:
         """Initialise task parameters from each task's class-label tokens (`label_token_ids[task][label]`), once,

@@ -136,6 +136,20 @@ class PHAT5(MultiTaskT5):
         return self.cfg.pha_loss_weight * (ir + pro), {"ir_loss": ir, "proto_loss": pro}
 
     @torch.no_grad()
+    def nearest_task(self, batch: dict) -> int:
+        """PHA's retrieval for a new task: the task whose prototype is nearest (cosine) to the rows' z, each
+        candidate's z computed as in training, by the encoder under that task's adapters."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        prototypes = F.normalize(self.all_prototypes(ids.device), dim=-1)
+        sims = []
+        for task in range(len(self.tasks)):
+            ctx = self.task_context(torch.full((ids.shape[0],), task, dtype=torch.long, device=ids.device))
+            with self._using(ctx):
+                hidden = self.t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            sims.append(float((F.normalize(self.retrieve(hidden, mask), dim=-1) @ prototypes[task]).mean()))
+        return max(range(len(sims)), key=sims.__getitem__)
+
+    @torch.no_grad()
     def nearest_prototype(self, encoder_hidden: torch.Tensor, mask: torch.Tensor) -> int:
         """The task whose prototype is nearest (cosine) to the mean of these instances' retrieved z."""
         z = F.normalize(self.retrieve(encoder_hidden, mask), dim=-1).mean(0)
