@@ -307,3 +307,30 @@ class TrialRuns(LoggerCallback):
         for trial in trials:  # interrupted: a resume finishes these runs
             if trial.trial_id in self._runs and trial.status not in ("TERMINATED", "ERROR"):
                 self.client.set_terminated(self._runs[trial.trial_id], status="KILLED")
+
+
+# ---- system metrics (CPU, memory, disk, network; GPU where present) of a trial's nodes ----------------------------
+def find_trial_run(uri: str, experiment_id: str, parent_run_id: str, trial_id: str, timeout: float = 120.0):
+    """The child run of a trial (the study's callback creates it as the trial starts): its id, or None."""
+    import time
+    client = _client(uri)
+    deadline = time.monotonic() + timeout
+    while True:
+        found = client.search_runs([experiment_id], f"tags.`{PARENT_TAG}` = '{parent_run_id}' and "
+                                                    f"tags.`{TRIAL_TAG}` = '{trial_id}'")
+        if found or time.monotonic() > deadline:
+            return found[0].info.run_id if found else None
+        time.sleep(1.0)
+
+
+def system_metrics_monitor(uri: str, run_id: str, interval: float, node_id: str | None = None):
+    """MLflow's own system-metrics sampler for `run_id` (metrics `system/...`, or `system/<node_id>/...`),
+    started; call `.finish()` at the end."""
+    import logging
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # "Started monitoring system metrics"
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, samples_before_logging=1, node_id=node_id,
+                                   tracking_uri=uri)
+    monitor.start()
+    return monitor

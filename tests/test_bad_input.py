@@ -43,6 +43,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                             "sqlite:////proc/x/mlflow.db"], "cannot create /proc/x"),
         "storage nowhere": (["hpsearch.tune", "--storage-path", "/proc/x/runs", "--tracking-uri",
                              f"sqlite:///{tmp}/mlflow.db"], "--storage-path /proc/x/runs: cannot create it"),
+        "optuna storage nowhere": ([*tune, "--optuna-storage", "sqlite:////proc/x/optuna.db"],
+                                   "--optuna-storage sqlite:////proc/x/optuna.db: cannot be opened"),
+        "optuna storage no driver": ([*tune, "--optuna-storage", "nosuchdb://127.0.0.1:9/optuna"],
+                                     "--optuna-storage nosuchdb://127.0.0.1:9/optuna: cannot be opened"),
         "too many workers": ([*tune, "resources.workers=64"], "one trial needs 57.7 CPU"),
         "no gpu here": ([*tune, "resources.gpus_per_worker=1"], "GPU"),
         "argparse type": ([*tune, "--num-samples", "abc"], "invalid int value: 'abc'"),
@@ -61,6 +65,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 
 NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite nowhere", "storage nowhere",
+         "optuna storage nowhere", "optuna storage no driver",
          "too many workers", "no gpu here", "argparse type", "train argparse", "corrupt study state",
          "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",
          "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint"]
@@ -91,7 +96,7 @@ def test_bad_input_is_one_line_before_anything_starts(name, table, tmp_path):
     assert phrase in err, err
     assert not proc.stdout.strip(), proc.stdout[-500:]
     assert not list(tmp_path.iterdir())  # nothing written where the command ran
-    assert not (tmp / "mlflow.db").exists()  # no MLflow store created
+    assert not (tmp / "mlflow.db").exists() and not (tmp / "optuna.db").exists()  # no MLflow or Optuna store
     assert sorted(p.name for p in (tmp / "runs").iterdir()) == ["broken", "half"]  # no study folder
     after = set(Path("/tmp/ray").glob("session_2*")) if Path("/tmp/ray").is_dir() else set()
     assert after <= before  # no Ray session was started

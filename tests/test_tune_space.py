@@ -218,6 +218,67 @@ def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
     assert searcher._ot_study.trials[0].value == 0.5  # Optuna is told the best-validation score, not the last
 
 
+def test_optuna_study_lives_in_its_database_and_a_restored_searcher_continues_it(tmp_path):
+    from optuna.trial import TrialState
+
+    from hpsearch.tune.study import make_searcher
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    space = load_space(write(tmp_path, BASE))
+    searcher = make_searcher(space, url, "s1")
+    for trial_id, steps, error in (("a", 40, False), ("b", 20, False), ("c", 20, True)):
+        searcher.suggest(trial_id)
+        for step in range(20, steps + 1, 20):
+            result = {"score": 0.7 - step / 100, "best_score": 0.5, "step": step, "training_iteration": step // 20}
+            searcher.on_trial_result(trial_id, result)
+        searcher.on_trial_complete(trial_id, None if error else result, error=error)
+    searcher.save(str(tmp_path / "searcher.pkl"))  # what Tune keeps for a resume
+    restored = make_searcher(space, url, "s1")
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    restored.suggest("d")
+    restored.on_trial_complete("d", {"score": 0.6, "best_score": 0.6, "step": 40, "training_iteration": 2})
+    # another process reads the study back from the database alone
+    study = optuna.load_study(study_name="s1", storage=url)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL,
+                                               TrialState.COMPLETE]
+    assert study.trials[0].value == 0.5 and study.trials[3].value == 0.6
+    assert study.trials[0].intermediate_values == {1: 0.5, 2: 0.5}  # best_score so far, per evaluation
+    assert study.trials[1].intermediate_values == {1: pytest.approx(0.5)}
+    assert all("model.variant" in t.params and "train.lr" in t.params for t in study.trials)
+    assert [s.study_name for s in optuna.get_all_study_summaries(url)] == ["s1"]
+
+
+def test_optuna_dashboard_serves_the_study_on_loopback(tmp_path):
+    import json
+    import socket
+    import time
+    import urllib.request
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="served", storage=url)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).parent / "optuna-dashboard"
+    proc = subprocess.Popen([str(exe), url, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline, body = time.time() + 60, None
+        while time.time() < deadline and body is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies", timeout=5) as r:
+                    body = json.loads(r.read())
+            except OSError:
+                time.sleep(0.5)
+        assert body is not None, "optuna-dashboard did not answer"
+        (summary,) = body["study_summaries"]
+        assert summary["study_name"] == "served"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_method_is_a_searched_axis_with_its_own_fields():
     space = load_space(SPACES / "methods.yaml")
     assert space.param("model.method").choices == ["mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer",

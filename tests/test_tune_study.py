@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import psutil
 import pytest
 from mlflow import MlflowClient
@@ -82,7 +83,9 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert out.stdout.rstrip().splitlines()[-1].startswith("MLflow: ")  # nothing after the final report
     assert len(out.stdout.splitlines()) + len(out.stderr.splitlines()) < 80
     for text in ("Best trial", "All trials:", "Pareto front", "Hyperparameter importances",
-                 f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db --host 127.0.0.1"):
+                 f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db --host 127.0.0.1",
+                 f"Optuna: study 'e2e' in sqlite:///{tmp_path}/optuna.db; open the dashboard: ",
+                 f"optuna-dashboard sqlite:///{tmp_path}/optuna.db --host 127.0.0.1"):
         assert text in out.stdout
 
     client, parents, children = study_runs(tmp_path, "e2e")
@@ -99,6 +102,11 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert "best_score" in parent.data.metrics and parent.data.metrics["trials_failed"] == 0
 
     assert len({c.data.tags["hpsearch.trial_id"] for c in children}) == 3
+    # the Optuna study in its database: one trial per Tune trial, COMPLETE or PRUNED as the MLflow outcome says
+    ostudy = optuna.load_study(study_name="e2e", storage=f"sqlite:///{tmp_path}/optuna.db")
+    states = sorted(t.state.name for t in ostudy.trials)
+    outcomes = sorted({"complete": "COMPLETE", "stopped": "PRUNED"}[c.data.tags["hpsearch.outcome"]] for c in children)
+    assert states == outcomes
     for child in children:
         run_id = child.info.run_id
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
@@ -197,6 +205,10 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
             assert history == steps(client, old.info.run_id)
     experiment_dirs = [p for p in (tmp_path / "runs" / "resume").iterdir() if p.name.startswith("trial_")]
     assert len(experiment_dirs) == 3
+    # the resume continued the same Optuna study: three trials, none left RUNNING, none twice
+    ostudy = optuna.load_study(study_name="resume", storage=f"sqlite:///{tmp_path}/optuna.db")
+    assert len(ostudy.trials) == 3 and all(t.state.name in ("COMPLETE", "PRUNED") for t in ostudy.trials)
+    assert [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{tmp_path}/optuna.db")] == ["resume"]
     assert os.path.isfile(tmp_path / "runs" / "resume" / "hpsearch-study.json")
 
 

@@ -60,9 +60,11 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
              log_to_driver=log_to_driver, logging_level="WARNING")
 
 
-def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None):
+def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
+                  system_metrics: dict | None = None):
     """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
-    checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`)."""
+    checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
+    `system_metrics`: {tracking_uri, run_id, interval}, sampled by the first rank of each node."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -76,7 +78,7 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     return TorchTrainer(
         loop,
         train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
-                           else None},
+                           else None, "system_metrics": system_metrics},
         torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),

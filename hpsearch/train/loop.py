@@ -40,7 +40,23 @@ def _all_ranks_sum(values: list[float], device) -> list[float]:
 
 
 def train_loop(loop_config: dict, session=None) -> dict:
-    """Train `loop_config["run"]` (a RunConfig dict) on this rank; returns the final metrics."""
+    """Train `loop_config["run"]` (a RunConfig dict) on this rank; returns the final metrics. With
+    `loop_config["system_metrics"]` ({tracking_uri, run_id, interval}), the first rank of each node samples the
+    node's system metrics into that MLflow run while it trains."""
+    session = session or RaySession(loop_config.get("resume_from"))
+    monitor, watch = None, loop_config.get("system_metrics")
+    if watch and session.local_rank == 0:
+        from hpsearch.tracking import system_metrics_monitor
+        monitor = system_metrics_monitor(watch["tracking_uri"], watch["run_id"], watch["interval"],
+                                         node_id=f"node_{session.node_rank}" if session.nodes > 1 else None)
+    try:
+        return _train(loop_config, session)
+    finally:
+        if monitor is not None:
+            monitor.finish()
+
+
+def _train(loop_config: dict, session) -> dict:
     cfg = load_config(base=loop_config["run"])
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -49,7 +65,6 @@ def train_loop(loop_config: dict, session=None) -> dict:
     from hpsearch.data import MultiTaskSampler, encode_batch, get_task, get_tokenizer, load_suite
     from hpsearch.model import build_from_config
 
-    session = session or RaySession(loop_config.get("resume_from"))
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")

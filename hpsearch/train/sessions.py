@@ -16,7 +16,7 @@ class LocalSession:
         self.resume_from = resume_from
         self.history: list[dict] = []
 
-    rank, world_size = 0, 1
+    rank, world_size, local_rank, node_rank, nodes = 0, 1, 0, 0, 1
 
     def get_checkpoint_dir(self) -> str | None:
         return self.resume_from
@@ -43,6 +43,8 @@ class RaySession:
         import ray.train
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.local_rank, self.node_rank = ctx.get_local_rank(), ctx.get_node_rank()
+        self.nodes = self.world_size // max(1, ctx.get_local_world_size())
         self._ckpt = ray.train.get_checkpoint()
         self._resume_from = resume_from
         self._resume_dir = None

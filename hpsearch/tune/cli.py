@@ -1,7 +1,7 @@
 """`python -m hpsearch.tune`: the search. Ray Tune + Optuna TPE + ASHA over the training recipe, tracked in MLflow.
 
     python -m hpsearch.tune [--space FILE] [--name NAME] [--num-samples N] [--tracking-uri URI]
-                            [--storage-path PATH] [--resume] [key=value ...]
+                            [--storage-path PATH] [--optuna-storage URL] [--resume] [key=value ...]
 
 With no arguments it runs `search_spaces/default.yaml`. Overrides set run-config fields (`train.lr=1e-3`; a
 searched field is then fixed) or the space's budget/resources/sampler (`budget.trials=3`). Everything is
@@ -35,6 +35,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, help="number of trials (the space's budget.trials)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite:///mlflow.db here)")
     p.add_argument("--storage-path", default="runs/tune", help="where studies keep their state (default: runs/tune)")
+    p.add_argument("--optuna-storage", help="SQLAlchemy URL of the Optuna study's database (default: sqlite "
+                   "optuna.db beside a sqlite MLflow store, else here)")
+    p.add_argument("--system-metrics", nargs="?", type=float, const=10.0, metavar="SECONDS",
+                   help="log each trial's nodes' CPU, memory, disk, network (and GPU) to its MLflow run, sampled every "
+                   "SECONDS (default 10)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted study of this name")
     p.add_argument("overrides", nargs="*", help="key=value: model.*/data.*/train.* or budget.*/resources.*/sampler.*")
     return p.parse_args(argv)
@@ -43,12 +48,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     """Everything a study needs, validated, before Ray or MLflow start: (study, state to save)."""
     from hpsearch.tracking import DEFAULT_TRACKING_URI, resolve_tracking_uri
+    from hpsearch.tune import optuna_store
 
     if args.num_samples is not None and args.num_samples < 1:
         raise ConfigError(f"--num-samples: {args.num_samples}; expected an integer >= 1")
+    if args.system_metrics is not None and not 0.5 <= args.system_metrics <= 3600:
+        raise ConfigError(f"--system-metrics: {args.system_metrics:g}; expected seconds between samples in [0.5, 3600]")
     overrides = list(args.overrides) + ([f"budget.trials={args.num_samples}"] if args.num_samples else [])
     space_path = Path(args.space) if args.space else DEFAULT_SPACE
     uri = resolve_tracking_uri(args.tracking_uri) if args.tracking_uri else None
+    optuna_url = optuna_store.resolve_url(args.optuna_storage) if args.optuna_storage else None
     if args.resume:
         name = args.name or _latest_study(args.storage_path, _space_name(space_path))
         study_dir = _study_dir(args.storage_path, name)
@@ -62,23 +71,35 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         if uri and uri != state["tracking_uri"]:
             raise ConfigError(f"--tracking-uri: the study tracks to {state['tracking_uri']}; drop --tracking-uri")
         resolve_tracking_uri(state["tracking_uri"])  # still reachable and writable
+        if optuna_url and optuna_url != state.get("optuna_storage"):
+            raise ConfigError(f"--optuna-storage: the study records to {state.get('optuna_storage') or 'memory'}; "
+                              "drop --optuna-storage")
         space = load_space(study_dir / SPACE_COPY, state["overrides"])
     else:
         space = load_space(space_path, overrides)
-        name = args.name or _next_free_study(args.storage_path, space.name)
+        uri = uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)
+        optuna_url = optuna_url or optuna_store.default_url(uri)
+        recorded = optuna_store.recorded_studies(optuna_url)  # nothing created yet
+        name = args.name or _next_free_study(args.storage_path, space.name, recorded)
         study_dir = _study_dir(args.storage_path, name)
         if study_dir.exists():
             raise ConfigError(f"--name {name}: a study of that name already exists in {study_dir}; add --resume to "
                               "continue it, or choose another --name")
+        if name in recorded:  # Optuna would append this study's trials to the old one's
+            raise ConfigError(f"--name {name}: the Optuna storage {optuna_url} already holds a study of that name; "
+                              "choose another --name or --optuna-storage")
         state = {"name": name, "space_path": str(space_path), "space_text": space_path.read_text(),
-                 "overrides": overrides, "tracking_uri": uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)}
+                 "overrides": overrides, "tracking_uri": uri, "optuna_storage": optuna_url,
+                 "system_metrics": args.system_metrics}
     absolute_paths(space.config)
     _check_data(space.config)
     _check_backbone(space.config)
     _check_storage(study_dir)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(space, local_resources())
-    return Study(name, study_dir, space), state
+    if state.get("optuna_storage"):  # last: creates the database (its tables) when it is new
+        optuna_store.open_storage(state["optuna_storage"])
+    return Study(name, study_dir, space, state.get("optuna_storage")), state
 
 
 def _space_name(path: Path) -> str:
@@ -96,10 +117,14 @@ def _numbered(storage_path: str, base: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _next_free_study(storage_path: str, base: str) -> str:
-    """Without --name, a new study never collides: `default`, then `default-2`, `default-3`, ..."""
+def _next_free_study(storage_path: str, base: str, recorded: set[str] = frozenset()) -> str:
+    """Without --name, a new study never collides: `default`, then `default-2`, `default-3`, ... (also skipping
+    names the Optuna storage already holds)."""
     taken = _numbered(storage_path, base)
-    return f"{base}-{taken[-1][0] + 1}" if taken else base
+    n = taken[-1][0] + 1 if taken else 1
+    while (base if n == 1 else f"{base}-{n}") in recorded:
+        n += 1
+    return base if n == 1 else f"{base}-{n}"
 
 
 def _latest_study(storage_path: str, base: str) -> str:
@@ -151,6 +176,10 @@ def _check_fits(space, cluster: dict[str, float]) -> None:
     from hpsearch.tune.study import trial_resources
 
     t = space.config.train
+    driver = space.resources.driver_resource
+    if driver and cluster.get(driver, 0.0) < 1:
+        raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so no "
+                          "trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
     for kind, need in trial_resources(space).items():
         have = cluster.get(kind, 0.0)
         if need > have + 1e-9:
@@ -182,6 +211,9 @@ def main(argv: list[str]) -> int:
         state.update(parent_run_id=parent.run_id, command=command)
         study.save_state(state)
 
+    if state.get("system_metrics"):
+        study.system_metrics = {"tracking_uri": parent.tracking_uri, "experiment_id": parent.experiment_id,
+                                "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
     init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
     max_concurrent = concurrency(space, ray.cluster_resources())
     print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
@@ -227,6 +259,10 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     report = reporting.build(study, result_grid, report_dir / "plots")
     freed, kept = study.prune()  # the study is over: no resume will need its checkpoints
     ui = f"MLflow: {parent.tracking_uri}, study run {parent.run_id}; open the UI: {ui_command(parent.tracking_uri)}"
+    if study.optuna_storage:
+        from hpsearch.tune.optuna_store import dashboard_command
+        ui = (f"Optuna: study '{study.name}' in {study.optuna_storage}; open the dashboard: "
+              f"{dashboard_command(study.optuna_storage)}\n{ui}")
     disk = (f"Disk: {kept / 2**20:.1f} MB in {study.dir} (exports and logs; {freed / 2**20:.1f} MB of checkpoints "
             "only a resume needed were removed)")
     text = reporting.render(report, elapsed, f"{disk}\n{ui}")
@@ -246,4 +282,5 @@ def _study_params(study: Study) -> dict:
             "eval_every": space.config.train.eval_every, "grace_period": space.grace_period,
             "reduction_factor": space.budget.reduction_factor, "max_failures": space.budget.max_failures,
             "workers": space.config.train.num_workers, "seed": space.sampler.seed,
+            "optuna_storage": study.optuna_storage or "memory",
             **{f"pinned.{k}": v for k, v in space.pinned.items()}}

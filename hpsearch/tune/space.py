@@ -29,6 +29,8 @@ class Resources:
     gpus_per_worker: float | None = None  # -> train.gpus_per_worker; > 0 also sets train.use_gpu
     trial_cpus: float = 0.1             # the trial's driver (launches the TorchTrainer); Ray refuses 0
     max_concurrent: int | None = None   # None: as many trials as the cluster's CPUs/GPUs fit
+    driver_resource: str | None = None  # a custom resource only the head offers (e.g. hpsearch_driver): each trial's
+                                        # driver takes 1, so drivers stay on the head and workers go to worker nodes
 
 
 @dataclass

@@ -11,7 +11,8 @@ A space file has these top-level keys (every one optional):
     budget                trials, max_steps, eval_every (these two set train.*), ASHA's grace_period and
                           reduction_factor, max_failures (Tune retries of a trial), time_budget_s
     resources             per trial: workers, cpus_per_worker, gpus_per_worker (set train.*), trial_cpus (the
-                          trial's own driver); max_concurrent (null: as many as the cluster fits)
+                          trial's own driver); max_concurrent (null: as many as the cluster fits); driver_resource
+                          (a custom resource only the head has: trial drivers stay there)
     sampler               Optuna TPE: seed, n_startup_trials, multivariate
     points_to_evaluate    configurations to try first, e.g. the paper's best
 
@@ -351,6 +352,9 @@ def _validate_budget(space: SearchSpace, at) -> None:
         ("resources.trial_cpus", r.trial_cpus > 0, "a number > 0 (Ray refuses 0)"),
         ("resources.max_concurrent", r.max_concurrent is None or r.max_concurrent >= 1, "an integer >= 1 or null"),
         ("resources.gpus_per_worker", t.gpus_per_worker > 0 or not t.use_gpu, "a number > 0 for GPU workers"),
+        ("resources.driver_resource", r.driver_resource is None or (
+            isinstance(r.driver_resource, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.driver_resource)
+            and r.driver_resource not in ("CPU", "GPU", "memory")), "the name of a custom resource or null"),
     ]
     for key, ok, expected in checks:
         if not ok:

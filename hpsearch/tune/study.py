@@ -35,6 +35,9 @@ class Study:
     name: str
     dir: Path                    # <storage>/<name>, absolute
     space: SearchSpace
+    optuna_storage: str | None = None  # the Optuna study's database URL (None: in memory, older studies)
+    system_metrics: dict | None = None  # {tracking_uri, experiment_id, parent_run_id, interval}: sample each trial's
+                                        # nodes into its MLflow run (--system-metrics)
 
     @property
     def storage_path(self) -> Path:
@@ -107,8 +110,14 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
     marker = Path(cfg.train.output_dir, "FAILED")
     if marker.is_file():  # a deterministic failure (non-finite loss, bad data or config): a retry would fail again
         raise TrialFailed(marker.read_text().strip())
+    watch = None
+    if study.system_metrics:
+        from hpsearch.tracking import find_trial_run
+        sm = study.system_metrics
+        run_id = find_trial_run(sm["tracking_uri"], sm["experiment_id"], sm["parent_run_id"], trial_id)
+        watch = {"tracking_uri": sm["tracking_uri"], "run_id": run_id, "interval": sm["interval"]} if run_id else None
     trainer = build_trainer(cfg, name=trial_id, storage_path=str(study.dir / "train"),
-                            callbacks=[TuneReportCallback()])  # rank 0's reports go to Tune
+                            callbacks=[TuneReportCallback()], system_metrics=watch)  # rank 0's reports go to Tune
     try:
         trainer.fit()
     except Exception as e:  # Ray Train wraps the worker's error with its traceback
@@ -148,7 +157,9 @@ def trial_dirname(trial) -> str:
     return f"trial_{trial.trial_id}"
 
 
-def make_searcher(space: SearchSpace):
+def make_searcher(space: SearchSpace, storage_url: str | None = None, study_name: str | None = None):
+    """Optuna TPE behind Ray's OptunaSearch; with `storage_url`, the Optuna study `study_name` lives in that
+    database (`optuna_store`)."""
     import optuna
 
     from hpsearch.tune.searcher import BudgetAwareOptunaSearch
@@ -163,15 +174,23 @@ def make_searcher(space: SearchSpace):
                                              group=space.sampler.multivariate)
     metric = [o.final_metric for o in objectives] if space.multi_objective else space.primary.final_metric
     mode = [o.mode for o in objectives] if space.multi_objective else space.primary.mode
+    stored = {}
+    if storage_url:
+        from hpsearch.tune.optuna_store import open_storage
+        stored = {"storage": open_storage(storage_url), "study_name": study_name}
     return BudgetAwareOptunaSearch(space=space.define_by_run(), metric=metric, mode=mode, sampler=sampler,
                                    points_to_evaluate=copy.deepcopy(space.points_to_evaluate) or None,
-                                   max_steps=space.config.train.max_steps)
+                                   max_steps=space.config.train.max_steps, **stored)
 
 
 def trainable(study: Study):
     import ray.tune
+    from ray.tune import PlacementGroupFactory
+
     fn = ray.tune.with_parameters(run_trial, study=study)
-    return ray.tune.with_resources(fn, {"cpu": study.space.resources.trial_cpus})
+    r = study.space.resources
+    driver = {"CPU": r.trial_cpus, **({r.driver_resource: 1} if r.driver_resource else {})}
+    return ray.tune.with_resources(fn, PlacementGroupFactory([driver]))
 
 
 def make_tuner(study: Study, callbacks: list, max_concurrent: int):
@@ -185,7 +204,8 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     scheduler = ASHAScheduler(time_attr="step", metric=primary.metric, mode=primary.mode,
                               max_t=space.config.train.max_steps, grace_period=space.grace_period,
                               reduction_factor=space.budget.reduction_factor)
-    tune_config = ray.tune.TuneConfig(search_alg=make_searcher(space), scheduler=scheduler,
+    searcher = make_searcher(space, study.optuna_storage, study.name)
+    tune_config = ray.tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
                                       time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname)
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)

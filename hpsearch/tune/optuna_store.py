@@ -1,0 +1,74 @@
+"""The study's Optuna record in a database: `optuna.storages.RDBStorage`, one Optuna study per hpsearch study.
+
+Default: a sqlite file `optuna.db` beside a sqlite MLflow store (`sqlite:///…/mlflow.db`), else in the working
+directory; `--optuna-storage URL` takes any SQLAlchemy URL (`postgresql://…`, `mysql+pymysql://…`). The Optuna
+study's name is the study's name, so `optuna.load_study(study_name=NAME, storage=URL)` reads every trial (COMPLETE,
+PRUNED for ASHA-stopped, FAIL) with its params and intermediate values, `optuna-dashboard URL` shows it live, and
+`--resume` continues the same Optuna study (Ray's saved searcher holds the storage by its URL).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hpsearch.errors import ConfigError
+
+FILE_NAME = "optuna.db"
+
+
+def default_url(tracking_uri: str) -> str:
+    if tracking_uri.startswith("sqlite:///"):
+        return f"sqlite:///{Path(tracking_uri.removeprefix('sqlite:///')).parent / FILE_NAME}"
+    return f"sqlite:///{Path.cwd() / FILE_NAME}"
+
+
+def resolve_url(url: str) -> str:
+    """A relative sqlite path made absolute (Ray runs elsewhere; the state file keeps the URL)."""
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        return f"sqlite:///{Path(url.removeprefix('sqlite:///')).expanduser().resolve()}"
+    return url
+
+
+def open_storage(url: str):
+    """The RDBStorage at `url` (tables created once, under a file lock for sqlite); a one-line ConfigError when
+    it cannot be opened."""
+    import logging
+
+    import optuna
+
+    for name in ("alembic", "optuna"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sqlite = url.startswith("sqlite:///")
+    try:
+        if sqlite:
+            import fcntl
+
+            path = Path(url.removeprefix("sqlite:///"))
+            if not path.parent.is_dir():
+                raise OSError(f"folder {path.parent} does not exist")
+            with open(f"{path}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+        return optuna.storages.RDBStorage(url)
+    except Exception as e:  # SQLAlchemy's errors, a missing driver, a folder that is not there or not writable
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(f"--optuna-storage {url}: cannot be opened ({type(e).__name__}: {reason}); expected a "
+                          "SQLAlchemy URL whose database can be created or reached, e.g. sqlite:///path/optuna.db"
+                          ) from None
+
+
+def recorded_studies(url: str) -> set[str]:
+    """The study names the storage holds (a sqlite file that does not exist yet holds none and is not created)."""
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+        return set()
+    return {s.study_name for s in open_storage(url).get_all_studies()}
+
+
+def dashboard_command(url: str) -> str:
+    """The command that serves this storage on 127.0.0.1 (the `dashboard` extra installs optuna-dashboard)."""
+    exe = Path(sys.executable).parent / "optuna-dashboard"
+    return f"{exe if exe.is_file() else 'optuna-dashboard'} {url} --host 127.0.0.1 --port 8080"

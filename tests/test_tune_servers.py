@@ -1,0 +1,80 @@
+"""A study against real servers on 127.0.0.1: an `mlflow server` (sqlite backend, artifacts served by the server)
+receives the parent, the children, their metrics, system metrics and artifacts."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["budget.max_steps=20", "budget.eval_every=10", "budget.grace_period=10", "train.log_every=10",
+         "data.synthetic_train_rows=200", "data.synthetic_eval_rows=40"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return True
+        except OSError:
+            time.sleep(1)
+    return False
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = free_port()
+    mlflow = Path(sys.executable).parent / "mlflow"
+    log = open(tmp_path / "mlflow-server.log", "w")
+    proc = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+                             "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        assert wait_http(f"http://127.0.0.1:{port}/health", proc, 240), (tmp_path / "mlflow-server.log").read_text()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_study_tracks_to_an_mlflow_server_with_system_metrics(tmp_path, mlflow_server):
+    out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "srv", "--storage-path",
+                          str(tmp_path / "runs"), "--tracking-uri", mlflow_server, "--num-samples", "2",
+                          "--system-metrics", "1", *SHORT], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"mlflow ui --backend-store-uri {mlflow_server}" not in out.stdout  # a server needs no `mlflow ui`
+    client = MlflowClient(mlflow_server)
+    experiment = client.get_experiment_by_name("hpsearch/srv")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
+    children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]
+    assert len(parents) == 1 and len(children) == 2
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and "best_score" in parent.data.metrics
+    assert {"report/summary.txt", "report/trials.csv"} <= {a.path for a in client.list_artifacts(parent.info.run_id,
+                                                                                                 "report")}
+    # the artifacts went through the server into its artifact store, not into a local folder
+    assert list((tmp_path / "server-artifacts").rglob("summary.txt"))
+    for child in children:
+        assert child.info.status == "FINISHED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "score")][0] == 10
+        system = {k for k in child.data.metrics if k.startswith("system/")}
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
+        assert client.get_metric_history(child.info.run_id, "system/cpu_utilization_percentage")
+        assert "config.yaml" in {a.path for a in client.list_artifacts(child.info.run_id)}
