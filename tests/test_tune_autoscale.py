@@ -1,0 +1,102 @@
+"""Autoscaling from a cluster YAML on this machine: `cluster/local-autoscale.yaml` with Ray's fake multi-node
+provider (its worker nodes are real raylets here, started and removed by the real autoscaler). A study submitted as
+a Ray job needs CPUs the head does not offer: the autoscaler starts worker nodes, the trials' Train workers run on
+them while the trials' drivers stay on the head (`resources.driver_resource`), every trial gets its MLflow child, and
+idle nodes go away. In a PID namespace of its own where the machine allows it, so `ray stop` stops only this
+cluster."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+from test_tune_cluster import free_ports, isolated
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
+    gcs, dashboard, agent = free_ports(3)
+    config = yaml.safe_load((ROOT / "cluster" / "local-autoscale.yaml").read_text())
+    config["provider"]["gcs_address"] = f"127.0.0.1:{gcs}"  # the shipped file says 6379: the test's own port
+    (tmp_path / "autoscale.yaml").write_text(yaml.safe_dump(config))
+    head = config["available_node_types"][config["head_node_type"]]["resources"]
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    out = tmp_path / "out"
+    out.mkdir()
+    api = f"http://127.0.0.1:{dashboard}"
+    script = textwrap.dedent(f"""\
+        set -u
+        export PATH="{Path(sys.executable).parent}:$PATH"
+        export RAY_AUTH_MODE=token
+        cd {tmp_path}
+        RAY_FAKE_CLUSTER=1 ray start --head --port={gcs} --num-cpus={int(head["CPU"])} \\
+            --resources='{json.dumps({k: v for k, v in head.items() if k != "CPU"})}' \\
+            --dashboard-host=127.0.0.1 --dashboard-port={dashboard} --dashboard-agent-listen-port={agent} \\
+            --disable-usage-stats --temp-dir={ray_tmp} --autoscaling-config={tmp_path}/autoscale.yaml \\
+            > {out}/start.log 2>&1
+        echo "start=$?" >> {out}/codes
+        for attempt in 1 2 3 4 5 6 7 8 9 10; do  # the head's job agent takes a while on a busy machine
+            ray job submit --address={api} -- \\
+                python -m hpsearch.tune --name auto --num-samples 2 --tracking-uri sqlite:///{out}/mlflow.db \\
+                --storage-path {out}/runs budget.max_steps=20 budget.eval_every=10 budget.grace_period=10 \\
+                data.synthetic_train_rows=100 data.synthetic_eval_rows=20 \\
+                resources.driver_resource=hpsearch_driver resources.cpus_per_worker=1 > {out}/job.log 2>&1
+            code=$?
+            grep -q "No available agent" {out}/job.log || break
+            sleep 5
+        done
+        echo "submit=$code" >> {out}/codes
+        python - <<'EOF' > {out}/state.json 2>> {out}/state.log
+        import json, time
+        from ray.util.state import list_actors, list_nodes
+        api = "{api}"
+        seen = {{"nodes": [[n.node_id, n.is_head_node] for n in list_nodes(address=api, detail=True, limit=1000)],
+                "workers": [a.node_id for a in list_actors(address=api, detail=True, limit=10000,
+                                                           filters=[("class_name", "=", "RayTrainWorker")])],
+                "drivers": [a.node_id for a in list_actors(address=api, detail=True, limit=10000,
+                                                           filters=[("class_name", "=", "ImplicitFunc")])]}}
+        # Ray Train's autoscaling coordinator keeps a finished run's resource request until it expires (180 s),
+        # then the nodes are idle for idle_timeout_minutes and go
+        deadline = time.time() + 420
+        while time.time() < deadline:
+            alive = [n.node_id for n in list_nodes(address=api, limit=1000)
+                     if not n.is_head_node and n.state == "ALIVE"]
+            if not alive:
+                break
+            time.sleep(3)
+        seen["alive_workers_at_end"] = alive
+        print(json.dumps(seen))
+        EOF
+        ray stop > {out}/stop.log 2>&1
+        echo "stop=$?" >> {out}/codes
+        """)
+    (tmp_path / "autoscale.sh").write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([*isolated(), "bash", str(tmp_path / "autoscale.sh")], env=env, capture_output=True,
+                          text=True, timeout=1500)
+    logs = {p.name: p.read_text()[-3000:] for p in out.glob("*.log")}
+    codes = dict(line.split("=") for line in (out / "codes").read_text().split())
+    assert codes == {"start": "0", "submit": "0", "stop": "0"}, (codes, logs, done.stderr[-2000:])
+    assert "succeeded" in logs["job.log"], logs["job.log"]
+
+    state = json.loads((out / "state.json").read_text())
+    head_ids = {node for node, is_head in state["nodes"] if is_head}
+    worker_ids = {node for node, is_head in state["nodes"] if not is_head}
+    assert worker_ids, state  # the autoscaler launched worker nodes for the trials
+    assert state["workers"] and set(state["workers"]) <= worker_ids, state  # Train workers ran on them
+    assert state["drivers"] and set(state["drivers"]) <= head_ids, state  # the trials' drivers on the head
+    assert state["alive_workers_at_end"] == [], state  # idle nodes were removed
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("hpsearch/auto").experiment_id])
+    parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
+    children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
