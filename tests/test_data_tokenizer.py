@@ -145,3 +145,31 @@ def test_an_unloadable_checkpoint_is_one_line(suite, cfg, monkeypatch):
         get_tokenizer("google-t5/t5-base", cfg, suite, 32128)
     message = str(e.value)
     assert "google-t5/t5-base" in message and "couldn't connect" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("lengths", [(128, 16), (12, 2)])  # the defaults, and truncating nearly every row
+def test_tokenized_suite_batches_equal_encode_batch(lengths, tmp_path):
+    """Training and evaluation collate from ids tokenized once: the tensors must be encode_batch's, row for row,
+    on real GLUE rows (CoLA, RTE, STS-B: long and short sources, numeric targets) and on the synthetic suite."""
+    import random
+
+    from hpsearch.data.tokens import TokenizedSuite
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    for source, tasks in (("synthetic", None), (str(glue), ["cola", "rte", "stsb"])):
+        cfg = DataConfig(source=source, **({"tasks": tasks} if tasks else {}), max_train_rows=200, max_eval_rows=50,
+                         max_source_length=lengths[0], max_target_length=lengths[1],
+                         cache_dir=str(tmp_path / "cache"))
+        suite = load_suite(cfg)
+        tokenizer = get_tokenizer("t5-tiny", cfg, suite, 8192)
+        tokens = TokenizedSuite(suite, tokenizer, cfg)
+        rng = random.Random(0)
+        for split in ("train", "validation"):
+            for _ in range(5):
+                picks = [(t, rng.randrange(len(suite.split(suite.tasks[t], split))))
+                         for t in (rng.randrange(len(suite.tasks)) for _ in range(7))]
+                want = encode_batch([suite.split(suite.tasks[t], split)[i] for t, i in picks], [t for t, _ in picks],
+                                    tokenizer, cfg)
+                got = tokens.batch(picks, split)
+                assert set(got) == set(want)
+                for key in want:
+                    assert torch.equal(got[key], want[key]), (source, split, key)

@@ -10,8 +10,8 @@ class Evaluator:
     """Generate on every task's split, parse, score. Rows are sharded over ranks; every rank runs the same
     number of generate calls (ZeRO-3 gathers parameters collectively), with `synced_gpus` across ranks."""
 
-    def __init__(self, engine, suite, tokenizer, cfg, rank, world, device):
-        self.engine, self.suite, self.tok, self.cfg = engine, suite, tokenizer, cfg
+    def __init__(self, engine, suite, tokens, cfg, rank, world, device):
+        self.engine, self.suite, self.tokens, self.tok, self.cfg = engine, suite, tokens, tokens.tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
         self._yardsticks: dict[str, dict] = {}
 
@@ -24,7 +24,7 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:
-        from hpsearch.data import decode, encode_batch, score_task, suite_score
+        from hpsearch.data import decode, score_task, suite_score
 
         model = self.engine.module
         model.eval()
@@ -35,13 +35,15 @@ class Evaluator:
             rows = self.suite.split(task, split)
             if not rows:
                 continue
-            mine = list(range(self.rank, len(rows), self.world))
+            sources = self.tokens.ids(task, split)[0]
+            # this rank's rows, shortest first: batches of similar lengths carry little padding
+            mine = sorted(range(self.rank, len(rows), self.world), key=lambda i: len(sources[i]))
             n_batches = math.ceil(math.ceil(len(rows) / self.world) / bs)
             preds: dict[int, str] = {}
             for b in range(n_batches):
                 idx = mine[b * bs:(b + 1) * bs]
-                examples = [rows[i] for i in idx] or [rows[0]]  # a dummy row keeps ranks in lockstep
-                batch = encode_batch(examples, [task_id] * len(examples), self.tok, self.cfg.data)
+                picks = [(task_id, i) for i in idx] or [(task_id, 0)]  # a dummy row keeps ranks in lockstep
+                batch = self.tokens.batch(picks, split)
                 out = model.generate(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
                                      task_ids=batch["task_ids"].to(self.device),
                                      max_new_tokens=self.cfg.train.max_new_tokens, do_sample=False, num_beams=1,

@@ -25,11 +25,39 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-def _all_ranks_any(flag: bool, device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)  # on the backend's device (NCCL: CUDA)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+class Window:
+    """Sums kept on the device between host synchronisations (no `.item()` per micro-step): the evaluation window's
+    loss and tokens, the log window's loss, the first step whose loss was not finite, a method's auxiliary losses.
+    `fold()` all-reduces them in one collective at a log or evaluation boundary."""
+
+    def __init__(self, device):
+        self.device = device
+        self.zero = lambda: torch.zeros((), dtype=torch.float64, device=device)
+        self.eval_loss, self.tokens, self.log_loss, self.first_bad = self.zero(), self.zero(), self.zero(), \
+            self.zero()
+        self.aux: dict[str, torch.Tensor] = {}
+
+    def add(self, step: int, loss: torch.Tensor, tokens: torch.Tensor, aux: dict, grad_accum: int) -> None:
+        value = loss.detach().to(torch.float64)
+        bad = ~torch.isfinite(value)
+        self.first_bad = torch.where(bad & (self.first_bad == 0), torch.full_like(self.first_bad, step),
+                                     self.first_bad)
+        self.eval_loss += value / grad_accum
+        self.log_loss += value / grad_accum
+        self.tokens += tokens.to(torch.float64)
+        for name, v in aux.items():
+            self.aux[name] = self.aux.get(name, self.zero()) + v.detach().to(torch.float64) / grad_accum
+
+    def fold(self) -> dict:
+        """Sums over all ranks: {eval_loss, tokens, log_loss, bad_ranks, aux: {...}}; `first_bad` stays local."""
+        names = sorted(self.aux)
+        t = torch.stack([self.eval_loss, self.tokens, self.log_loss, (self.first_bad > 0).to(torch.float64),
+                         *(self.aux[n] for n in names)])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(t)
+        values = t.tolist()  # the one host synchronisation of the window
+        return {"eval_loss": values[0], "tokens": values[1], "log_loss": values[2], "bad_ranks": values[3],
+                "aux": dict(zip(names, values[4:]))}
 
 
 def _all_ranks_sum(values: list[float], device) -> list[float]:
@@ -62,7 +90,8 @@ def _train(loop_config: dict, session) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from hpsearch.data import MultiTaskSampler, encode_batch, get_task, get_tokenizer, load_suite
+    from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
+    from hpsearch.data.tokens import TokenizedSuite
     from hpsearch.model import build_from_config
 
     rank, world = session.rank, session.world_size
@@ -116,53 +145,53 @@ def _train(loop_config: dict, session) -> dict:
         session.release_checkpoint_dir()
     elif rank == 0:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    evaluator = Evaluator(engine, suite, tokenizer, cfg, rank, world, device)
-    t_start, tokens, loss_sum, loss_n, t_last = time.perf_counter(), 0, 0.0, 0, time.perf_counter()
-    aux_sums: dict[str, torch.Tensor] = {}  # a method's auxiliary losses (PHA), summed on the device
+    tokens = TokenizedSuite(suite, tokenizer, cfg.data)  # every row tokenized once, batches collated from ids
+    evaluator = Evaluator(engine, suite, tokens, cfg, rank, world, device)
+    t_start, loss_n, log_n, t_last = time.perf_counter(), 0, 0, time.perf_counter()
+    window = Window(device)
+    copy = (lambda v: v.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else \
+        (lambda v: v.to(device))
     lr_used = cfg.train.lr
     steps_at_start = step
     final: dict = {}
     while step < cfg.train.max_steps:
         engine.train()
-        step_loss = 0.0
         for _ in range(cfg.train.grad_accum):
-            picks = next(sampler)
-            examples = [suite.split(suite.tasks[t], "train")[i] for t, i in picks]
-            batch = {k: v.to(device) for k, v in encode_batch(examples, [t for t, _ in picks], tokenizer,
-                                                              cfg.data).items()}
+            batch = {k: copy(v) for k, v in tokens.batch(next(sampler), "train").items()}
             out = engine(**batch)
             loss = out.loss
-            for name, value in getattr(out, "aux_losses", {}).items():
-                aux_sums[name] = aux_sums.get(name, 0.0) + value / cfg.train.grad_accum
             if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                 loss = loss * float("nan")
-            if _all_ranks_any(not torch.isfinite(loss).item(), device):
-                raise NonFiniteLoss(f"non-finite loss ({loss.item()}) at step {step + 1}: stopping the run "
-                                    f"(lower train.lr or raise train.warmup_steps)")
             engine.backward(loss)
             lr_used = engine.get_lr()[0]  # the learning rate this update uses
             engine.step()
-            step_loss += loss.item() / cfg.train.grad_accum
-            tokens += int(batch["attention_mask"].sum() + (batch["labels"] != -100).sum())
+            window.add(step + 1, loss, batch["attention_mask"].sum() + (batch["labels"] != -100).sum(),
+                       getattr(out, "aux_losses", {}), cfg.train.grad_accum)
         step += 1
         if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
             time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
             os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
-        loss_sum, loss_n = loss_sum + step_loss, loss_n + 1
+        loss_n, log_n = loss_n + 1, log_n + 1
+        evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
+        if not (evaluating or step % cfg.train.log_every == 0):
+            continue
+        sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
+        if sums["bad_ranks"]:
+            at = f"at step {int(window.first_bad)}" if window.first_bad > 0 else f"on another rank by step {step}"
+            raise NonFiniteLoss(f"non-finite loss {at}: stopping the run (lower train.lr or raise "
+                                f"train.warmup_steps)")
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
             elapsed = time.perf_counter() - t_start
             rate = (step - steps_at_start) / elapsed
-            _rank0_print(rank, f"step {step}/{cfg.train.max_steps} loss {step_loss:.4f} {rate:.2f} steps/s "
-                               f"ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
-        if step % cfg.train.eval_every == 0 or step == cfg.train.max_steps:
+            _rank0_print(rank, f"step {step}/{cfg.train.max_steps} loss {sums['log_loss'] / (log_n * world):.4f} "
+                               f"{rate:.2f} steps/s ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
+            window.log_loss, log_n = window.zero(), 0
+        if evaluating:
             now = time.perf_counter()
-            aux_names = sorted(aux_sums)
-            loss_total, tokens_total, *aux_totals = _all_ranks_sum(  # over all ranks' shards
-                [loss_sum, tokens, *(float(aux_sums[n]) for n in aux_names)], device)
-            metrics = {"step": step, "loss": loss_total / (loss_n * world), "lr": lr_used,
-                       "step_time": (now - t_last) / loss_n, "tokens_per_s": tokens_total / (now - t_last),
+            metrics = {"step": step, "loss": sums["eval_loss"] / (loss_n * world), "lr": lr_used,
+                       "step_time": (now - t_last) / loss_n, "tokens_per_s": sums["tokens"] / (now - t_last),
                        "extra_params": extra_params,
-                       **{n: total / (loss_n * world) for n, total in zip(aux_names, aux_totals)}}
+                       **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
             metrics.update(evaluator.evaluate("validation"))
             if metrics["score"] > best["score"]:
                 best = {"score": metrics["score"], "step": step}
@@ -180,7 +209,8 @@ def _train(loop_config: dict, session) -> dict:
                         f.write(json.dumps(final) + "\n")
                     checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
                 session.report(final, ckpt)
-            tokens, loss_sum, loss_n, t_last, aux_sums = 0, 0.0, 0, time.perf_counter(), {}
+            loss_n, t_last = 0, time.perf_counter()
+            window.eval_loss, window.tokens, window.aux = window.zero(), window.zero(), {}
     return final
 
 
