@@ -47,12 +47,13 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs/train"
     max_failures: int = 0                 # Ray Train restarts from the last checkpoint after a worker failure
+    keep_checkpoints: int = 2             # --local: the newest N checkpoints stay under output_dir/checkpoints
     debug_nan_at_step: int | None = None  # fault injection (tests): the loss becomes NaN at this step
     debug_crash_at_step: int | None = None  # fault injection (tests): rank 0 dies once at this step
 
     def validate(self) -> None:
         positive = ("num_workers", "micro_batch_size", "grad_accum", "max_steps", "eval_every", "eval_batch_size",
-                    "max_new_tokens", "log_every")
+                    "max_new_tokens", "log_every", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}: {getattr(self, name)!r} is out of range; expected an integer >= 1")

@@ -89,6 +89,7 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert (tmp_path / "full" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "full" / "task_params" / "task_params.safetensors").is_file()
     assert (tmp_path / "full" / "config.yaml").is_file()
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_20", "step_40"]
     # the yardstick beside the score: majority class and chance on the same splits (here: the synthetic suite)
     assert 0 < full["majority_score"] < 100 and 0 < full["test_majority_score"] < 100
     assert full["chance_score"] < full["majority_score"]
@@ -112,12 +113,13 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
 
 
 def test_pha_trains_and_logs_its_auxiliary_losses(tmp_path):
-    args = ["--local", "model.method=pha", "data.batching=mixed", "train.max_steps=10", "train.eval_every=5",
-            "train.micro_batch_size=8",
+    args = ["--local", "model.method=pha", "data.batching=mixed", "train.max_steps=10", "train.eval_every=2",
+            "train.keep_checkpoints=1", "train.micro_batch_size=8",
             "data.synthetic_train_rows=100", "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}"]
     out = final_json(run_train(*args))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [5, 10]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_10"]  # train.keep_checkpoints=1
     for r in rows:  # the mean of each evaluation window's auxiliary losses (batches mix tasks: both are positive)
         assert r["ir_loss"] > 0 and r["proto_loss"] > 0
     assert out["step"] == 10 and out["test_score"] is not None

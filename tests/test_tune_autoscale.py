@@ -53,6 +53,11 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
             sleep 5
         done
         echo "submit=$code" >> {out}/codes
+        # a demand no node type can meet (a GPU): the study waits for nodes, gives up in one line, starts nothing
+        ray job submit --address={api} -- python -m hpsearch.tune --name never --num-samples 1 \
+            --tracking-uri sqlite:///{out}/mlflow.db --storage-path {out}/runs resources.gpus_per_worker=1 \
+            budget.wait_for_nodes_s=15 > {out}/never.log 2>&1
+        echo "never=$?" >> {out}/codes
         python - <<'EOF' > {out}/state.json 2>> {out}/state.log
         import json, time
         from ray.util.state import list_actors, list_nodes
@@ -83,8 +88,14 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
                           text=True, timeout=1500)
     logs = {p.name: p.read_text()[-3000:] for p in out.glob("*.log")}
     codes = dict(line.split("=") for line in (out / "codes").read_text().split())
-    assert codes == {"start": "0", "submit": "0", "stop": "0"}, (codes, logs, done.stderr[-2000:])
+    assert codes["start"] == "0" and codes["submit"] == "0" and codes["stop"] == "0", (codes, logs, done.stderr[-2000:])
     assert "succeeded" in logs["job.log"], logs["job.log"]
+    # the head alone does not fit a trial: the study said it waits for nodes, and the autoscaler brought them
+    assert "[hpsearch.tune] waiting for nodes: one trial needs 2.1 CPU, 1 hpsearch_driver, the cluster has 1 CPU, " \
+           "8 hpsearch_driver" in logs["job.log"], logs["job.log"]
+    never = (out / "never.log").read_text()
+    assert codes["never"] != "0" and "error: resources: one trial needs" in never and "after 15 s" in never, never
+    assert not (out / "runs" / "never").exists() or not any((out / "runs" / "never").iterdir())
 
     state = json.loads((out / "state.json").read_text())
     head_ids = {node for node, is_head in state["nodes"] if is_head}
@@ -95,6 +106,7 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
     assert state["alive_workers_at_end"] == [], state  # idle nodes were removed
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    assert client.get_experiment_by_name("hpsearch/never") is None  # gave up before any MLflow run
     runs = client.search_runs([client.get_experiment_by_name("hpsearch/auto").experiment_id])
     parents = [r for r in runs if r.data.tags.get("hpsearch.role") == "study"]
     children = [r for r in runs if r.data.tags.get("hpsearch.role") == "trial"]

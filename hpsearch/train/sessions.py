@@ -14,6 +14,7 @@ class LocalSession:
     def __init__(self, cfg: RunConfig, resume_from: str | None):
         self.dir = Path(cfg.train.output_dir) / "checkpoints"
         self.resume_from = resume_from
+        self.keep = cfg.train.keep_checkpoints
         self.history: list[dict] = []
 
     rank, world_size, local_rank, node_rank, nodes = 0, 1, 0, 0, 1
@@ -30,6 +31,9 @@ class LocalSession:
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(checkpoint_dir, target)
             metrics = {**metrics, "checkpoint": str(target)}
+            steps = sorted(int(p.name.split("_", 1)[1]) for p in self.dir.glob("step_*") if p.name[5:].isdigit())
+            for old in steps[:-self.keep]:  # the newest `train.keep_checkpoints` stay
+                shutil.rmtree(self.dir / f"step_{old}", ignore_errors=True)
         self.history.append(metrics)
 
 

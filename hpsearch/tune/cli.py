@@ -199,9 +199,12 @@ def main(argv: list[str]) -> int:
 
     from hpsearch.tracking import StudyRun, TrialRuns
     from hpsearch.train import init_ray
-    from hpsearch.tune.study import concurrency, make_tuner, restore_tuner
+    from hpsearch.tune.study import concurrency, make_tuner, restore_tuner, wait_for_nodes
 
     space = study.space
+    init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
+    if os.environ.get("RAY_ADDRESS"):  # a cluster: nodes may still have to come (a private Ray was checked above)
+        wait_for_nodes(space, lambda text: print(f"[hpsearch.tune] {text}", flush=True))
     if args.resume:
         parent = StudyRun.reopen(state["tracking_uri"], state["parent_run_id"], command)
     else:
@@ -214,7 +217,6 @@ def main(argv: list[str]) -> int:
     if state.get("system_metrics"):
         study.system_metrics = {"tracking_uri": parent.tracking_uri, "experiment_id": parent.experiment_id,
                                 "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
-    init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
     max_concurrent = concurrency(space, ray.cluster_resources())
     print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
           f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)

@@ -20,6 +20,7 @@ class Budget:
     reduction_factor: int = 2
     max_failures: int = 1               # Tune retries of a failed trial
     time_budget_s: float | None = None
+    wait_for_nodes_s: float = 600.0     # on a cluster: how long to wait for nodes that fit one trial, then give up
 
 
 @dataclass

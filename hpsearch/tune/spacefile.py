@@ -9,7 +9,8 @@ A space file has these top-level keys (every one optional):
     search                searched fields `<section>.<field>: {type, ...}`, with an optional `when` condition
     objectives            [{metric, mode}]; the first is the primary one (ASHA and "the best trial")
     budget                trials, max_steps, eval_every (these two set train.*), ASHA's grace_period and
-                          reduction_factor, max_failures (Tune retries of a trial), time_budget_s
+                          reduction_factor, max_failures (Tune retries of a trial), time_budget_s,
+                          wait_for_nodes_s (on a cluster: how long to wait for nodes that fit one trial)
     resources             per trial: workers, cpus_per_worker, gpus_per_worker (set train.*), trial_cpus (the
                           trial's own driver); max_concurrent (null: as many as the cluster fits); driver_resource
                           (a custom resource only the head has: trial drivers stay there)
@@ -346,6 +347,7 @@ def _validate_budget(space: SearchSpace, at) -> None:
         ("budget.reduction_factor", b.reduction_factor >= 2, "an integer >= 2"),
         ("budget.max_failures", b.max_failures >= 0, "an integer >= 0"),
         ("budget.time_budget_s", b.time_budget_s is None or b.time_budget_s > 0, "a number of seconds > 0 or null"),
+        ("budget.wait_for_nodes_s", b.wait_for_nodes_s >= 0, "a number of seconds >= 0"),
         ("budget.grace_period", b.grace_period is None or 1 <= b.grace_period <= t.max_steps,
          f"an integer in [1, max_steps={t.max_steps}] or null (one evaluation)"),
         ("budget.eval_every", t.eval_every <= t.max_steps, f"at most max_steps={t.max_steps}"),

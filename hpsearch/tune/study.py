@@ -144,6 +144,49 @@ def trial_resources(space: SearchSpace) -> dict[str, float]:
     return need
 
 
+def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
+    """One trial's demand as placement bundles: its driver, then each Train worker."""
+    t, r = space.config.train, space.resources
+    driver = {"CPU": r.trial_cpus, **({r.driver_resource: 1.0} if r.driver_resource else {})}
+    worker = {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {})}
+    return [driver] + [dict(worker) for _ in range(t.num_workers)]
+
+
+def wait_for_nodes(space: SearchSpace, say) -> None:
+    """On a cluster (RAY_ADDRESS): until the cluster's resources fit one trial, ask the autoscaler for it
+    (`request_resources`) and wait, up to `budget.wait_for_nodes_s`; then a one-line error. A cluster that already
+    fits returns at once; the request is withdrawn either way (the trials then make their own demand)."""
+    import time
+
+    import ray
+    from ray.autoscaler.sdk import request_resources
+
+    need: dict[str, float] = {}
+    for bundle in trial_bundles(space):
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v
+    fits = lambda have: all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+    show = lambda d: ", ".join(f"{v:g} {k}" for k, v in sorted(d.items()) if k in need)
+    have = ray.cluster_resources()
+    if fits(have):
+        return
+    limit = space.budget.wait_for_nodes_s
+    say(f"waiting for nodes: one trial needs {show(need)}, the cluster has {show(have) or 'none of it'} "
+        f"(asked the autoscaler; giving up after {limit:g} s, budget.wait_for_nodes_s)")
+    request_resources(bundles=trial_bundles(space))
+    deadline = time.monotonic() + limit
+    try:
+        while not fits(have) and time.monotonic() < deadline:
+            time.sleep(2.0)
+            have = ray.cluster_resources()
+    finally:
+        request_resources(bundles=[])
+    if not fits(have):
+        raise UserError(f"resources: one trial needs {show(need)} but after {limit:g} s the cluster has "
+                        f"{show(have) or 'none of it'}; no node type of the cluster fits it, or the autoscaler "
+                        "could not add nodes: lower resources.* or raise budget.wait_for_nodes_s")
+
+
 def concurrency(space: SearchSpace, cluster: dict[str, float]) -> int:
     """Trials at once: `resources.max_concurrent`, else as many as the cluster's CPUs and GPUs fit (at least 1:
     on an autoscaling cluster the first trial waits for its nodes)."""
@@ -188,9 +231,7 @@ def trainable(study: Study):
     from ray.tune import PlacementGroupFactory
 
     fn = ray.tune.with_parameters(run_trial, study=study)
-    r = study.space.resources
-    driver = {"CPU": r.trial_cpus, **({r.driver_resource: 1} if r.driver_resource else {})}
-    return ray.tune.with_resources(fn, PlacementGroupFactory([driver]))
+    return ray.tune.with_resources(fn, PlacementGroupFactory(trial_bundles(study.space)[:1]))  # the driver's bundle
 
 
 def make_tuner(study: Study, callbacks: list, max_concurrent: int):
