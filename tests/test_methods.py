@@ -506,17 +506,22 @@ def test_prefix_equals_the_attention_hook_fed_the_mlp_output_by_hand(batch):
             assert (table[key][0][t] - pk).abs().max() <= 1e-6 and (table[key][1][t] - pv).abs().max() <= 1e-6
 
 
-@pytest.mark.parametrize("side", ["encoder", "decoder"])
-def test_mam_feed_forward_equals_hand_written_scaled_parallel_adapter(side, batch):
-    model = perturb(make("mam"))
-    s = SETUPS["mam"][1]["mam_scale"]
-    ff = getattr(model.t5, side).block[1].layer[-1]
+def feed_forward_in_out(model, side, layer, batch):
+    """(the feed-forward sublayer, its input hidden states h, its output) in one forward of `model`."""
+    ff = getattr(model.t5, side).block[layer].layer[-1]
     seen = {}
     hook = capture(ff, seen, "ffn")
     with torch.no_grad():
         model(**batch)
     hook.remove()
-    h, got = seen["ffn"]
+    return (ff, *seen["ffn"])
+
+
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_mam_feed_forward_equals_hand_written_scaled_parallel_adapter(side, batch):
+    model = perturb(make("mam"))
+    s = SETUPS["mam"][1]["mam_scale"]
+    ff, h, got = feed_forward_in_out(model, side, 1, batch)
     a = model.adapters[f"{side}_1"]
     with torch.no_grad():
         x = ff.layer_norm(h)
@@ -545,13 +550,7 @@ def pha_weights_by_hand(model, task: int, block: int):
 @pytest.mark.parametrize("side,layer", [("encoder", 1), ("decoder", 0)])
 def test_pha_feed_forward_equals_parallel_adapter_recomputed_from_raw_parameters(side, layer, batch):
     model = perturb(make("pha"))
-    ff = getattr(model.t5, side).block[layer].layer[-1]
-    seen = {}
-    hook = capture(ff, seen, "ffn")
-    with torch.no_grad():
-        model(**batch)
-    hook.remove()
-    h, got = seen["ffn"]
+    ff, h, got = feed_forward_in_out(model, side, layer, batch)
     block = model.blocks.index((side, layer))
     with torch.no_grad():
         x = ff.layer_norm(h)
