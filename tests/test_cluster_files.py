@@ -155,7 +155,7 @@ def check_launcher(config: dict, where: str) -> dict:
         raise AssertionError(f"{where}: Ray's schema: {e.message} (at {e.json_path})") from None
     known = set(RAY_SCHEMA["properties"]["provider"]["properties"])
     if config["provider"].get("type") == "fake_multinode":  # keys its provider and autoscaler read; not in the schema
-        known |= {"gcs_address", "head_node_id", "launch_multiple", "disable_launch_config_check"}
+        known |= {"gcs_address", "head_node_id", "launch_multiple", "disable_launch_config_check", "use_node_id_as_ip"}
     unknown = set(config["provider"]) - known
     assert not unknown, f"{where}: provider keys Ray does not know: {sorted(unknown)} (known: {sorted(known)})"
     try:

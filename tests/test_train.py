@@ -186,3 +186,15 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
 def test_ray_nan_loss_is_reported_not_hung(tmp_path):
     proc = run_train(*FAST, "train.num_workers=2", "train.debug_nan_at_step=3", f"train.output_dir={tmp_path}")
     assert proc.returncode == 2 and "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
+
+
+def test_failure_reason_is_the_exception_line_not_a_header_or_the_source_that_raised_it():
+    from hpsearch.train.launch import failure_reason
+    wrapped = RuntimeError(
+        "Training failed.\n[Rank 0,1 Error Snippet]:\nTraceback (most recent call last):\n"
+        '  File "loop.py", line 9, in train_loop\n'
+        '    raise checkpoints.DiskFull(f"no space left on device writing {where}; free space there")\n'
+        "hpsearch.train.checkpoints.DiskFull: no space left on device writing /runs/t1; free space there")
+    assert failure_reason(wrapped) == "no space left on device writing /runs/t1; free space there"
+    assert failure_reason(RuntimeError("[Rank 0 Error Snippet]:\nTraceback:\nValueError: bad row")) == \
+        "ValueError: bad row"

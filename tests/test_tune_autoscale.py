@@ -92,7 +92,7 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
     assert "succeeded" in logs["job.log"], logs["job.log"]
     # the head alone does not fit a trial: the study said it waits for nodes, and the autoscaler brought them
     assert "[hpsearch.tune] waiting for nodes: one trial needs 2.1 CPU, 1 hpsearch_driver, the cluster has 1 CPU, " \
-           "8 hpsearch_driver" in logs["job.log"], logs["job.log"]
+           "8 hpsearch_driver" in (out / "job.log").read_text(), logs["job.log"]
     never = (out / "never.log").read_text()
     assert codes["never"] != "0" and "error: resources: one trial needs" in never and "after 15 s" in never, never
     assert not (out / "runs" / "never").exists() or not any((out / "runs" / "never").iterdir())

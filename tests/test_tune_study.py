@@ -251,3 +251,26 @@ def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path):
     complete = sum(c.data.tags["hpsearch.outcome"] == "complete" for c in children)
     assert parents[0].data.metrics["trials_complete"] == complete
     assert "Best trial" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_the_runs_are_ended(tmp_path):
+    """The storage path on a tiny tmpfs (a mount namespace of its own): the first checkpoint fills it; the trial
+    fails naming the full disk, the study stops with one line (exit 2, no traceback) and ends its MLflow runs."""
+    full = tmp_path / "full"
+    full.mkdir()
+    mount = ["unshare", "--mount", "bash", "-c", f'mount -t tmpfs -o size=8m tmpfs {full} && exec "$@"', "--"]
+    if subprocess.run([*mount, "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine allows no private tmpfs mount (needs root or user namespaces)")
+    cmd = [sys.executable, "-m", "hpsearch.tune", "--name", "df", "--num-samples", "1", "--storage-path",
+           str(full / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", *SHORT]
+    out = subprocess.run([*mount, *cmd], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: no space left on device under {full / 'runs'}") and "--resume" in last, last
+    failed = [ln for ln in out.stdout.splitlines() if " failed: " in ln]
+    assert failed and "no space left on device writing" in failed[-1], out.stdout
+    client, parents, children = study_runs(tmp_path, "df")
+    assert [p.info.status for p in parents] == ["FAILED"]
+    assert children and all(c.info.status == "FAILED" for c in children)

@@ -117,11 +117,14 @@ class TrainingFailed(UserError):
 
 
 def failure_reason(e: BaseException) -> str:
-    """One line from Ray's wrapped worker error: the non-finite-loss reason, else the last error line."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not set(ln.strip()) <= set("=-")]
-    for line in lines:
-        if "non-finite loss" in line:
-            return line[line.index("non-finite loss"):]
-    errors = [ln for ln in lines if "Error" in ln.split(":")[0]]
+    """One line from Ray's wrapped worker error: the non-finite-loss or full-disk reason, else the last error line
+    (Train V2's `[Rank 0,1 Error Snippet]:` headers are not errors)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not set(ln.strip()) <= set("=-")
+             and not ln.strip().startswith("[Rank ")]
+    for key in ("non-finite loss", "no space left on device"):
+        for line in reversed(lines):  # the exception's own line comes after the source line that raised it
+            if key in line:
+                return line[line.index(key):]
+    errors = [ln for ln in lines if "Error" in ln.split(":")[0] or "DiskFull" in ln.split(":")[0]]
     return (errors or lines or [type(e).__name__])[-1]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hpsearch.cli import Parser
 from hpsearch.config import absolute_paths, read_yaml
-from hpsearch.errors import ConfigError
+from hpsearch.errors import ConfigError, UserError
 from hpsearch.tune.spacefile import load_space
 from hpsearch.tune.study import SPACE_COPY, Study, load_state
 
@@ -230,6 +230,14 @@ def main(argv: list[str]) -> int:
         return _run(study, parent, tuner)
     except KeyboardInterrupt:  # a second Ctrl-C: the study's runs are not left RUNNING
         parent.finish("KILLED")
+        raise
+    except Exception as e:  # e.g. Tune's own state, a trial's error file or the report could not be written
+        from hpsearch.train.checkpoints import disk_full
+        parent.finish("FAILED")
+        if disk_full(e) or shutil.disk_usage(study.storage_path).free < 2**20:
+            raise UserError(f"no space left on device under {study.storage_path}; free space there, then continue "
+                            f"with: python -m hpsearch.tune --name {study.name} --storage-path "
+                            f"{study.storage_path} --resume") from None
         raise
     except BaseException:  # the driver crashed
         parent.finish("FAILED")

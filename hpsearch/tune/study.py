@@ -123,15 +123,19 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
     except Exception as e:  # Ray Train wraps the worker's error with its traceback
         reason = failure_reason(e)
         if deterministic(reason):
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(reason + "\n")
+            try:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(reason + "\n")
+            except OSError:  # e.g. the disk is full: the retry then fails the same way, and says so again
+                marker.unlink(missing_ok=True)
         raise TrialFailed(reason) from None
 
 
 def deterministic(reason: str) -> bool:
     """A failure that a retry would repeat: a non-finite loss, or a user error (config, data, checkpoint) that only
     showed in a worker. Crashes, lost nodes and the like are retried."""
-    return "non-finite loss" in reason or bool(re.match(r"(hpsearch\.errors\.)?(User|Config|Data)Error\b", reason))
+    return "non-finite loss" in reason or "no space left on device" in reason or \
+        bool(re.match(r"(hpsearch\.errors\.)?(User|Config|Data)Error\b", reason))
 
 
 # ---- Ray and the Tuner --------------------------------------------------------------------------------------------
@@ -267,8 +271,8 @@ def fit(tuner):
     """Run the trials; Ctrl-C (SIGINT) stops them cleanly and keeps the state for `--resume`."""
     import logging
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the classic (quiet at verbose=0) output
-    for name in ("ray.tune", "ray.train", "ray.air"):  # their hints (e.g. `Tuner.restore(...)`): ours is printed
-        logging.getLogger(name).setLevel(logging.ERROR)
+    for name in ("ray.tune", "ray.train", "ray.air"):  # their hints (e.g. `Tuner.restore(...)`) and a failed
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # trial's traceback (in its error.txt): ours is printed
     return tuner.fit()
 
 
