@@ -32,6 +32,7 @@ class Comparison:
     dir: Path                    # <storage>/<name>, absolute
     spec: Spec
     _entries: dict[str, Method] = field(default_factory=dict, repr=False)
+    system_metrics: dict | None = None  # as Study.system_metrics (run_trial reads it); comparisons do not sample
 
     @property
     def storage_path(self) -> Path:
