@@ -136,6 +136,12 @@ def _metrics(values: dict[str, Any], step: int):
             if k not in TUNE_KEYS and k not in NOT_METRICS and isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
+def _trial_runs(client, experiment_id: str, parent_run_id: str, trial_id: str) -> list:
+    """The child runs of `parent_run_id` tagged with this trial id (one, once the trial has started)."""
+    return client.search_runs([experiment_id], f"tags.`{PARENT_TAG}` = '{parent_run_id}' and "
+                                               f"tags.`{TRIAL_TAG}` = '{trial_id}'")
+
+
 def _log_batches(client, run_id: str, metrics=(), params=()) -> None:
     metrics, params = list(metrics), list(params)
     for i in range(0, len(metrics), 1000):
@@ -244,8 +250,7 @@ class TrialRuns(LoggerCallback):
         tid = trial.trial_id
         if tid in self._runs:
             return self._runs[tid]
-        found = self.client.search_runs(
-            [self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.parent_run_id}' and tags.`{TRIAL_TAG}` = '{tid}'")
+        found = _trial_runs(self.client, self.experiment_id, self.parent_run_id, tid)
         if found:
             run = found[0]
             history = self.client.get_metric_history(run.info.run_id, "loss")  # logged at every evaluation
@@ -316,8 +321,7 @@ def find_trial_run(uri: str, experiment_id: str, parent_run_id: str, trial_id: s
     client = _client(uri)
     deadline = time.monotonic() + timeout
     while True:
-        found = client.search_runs([experiment_id], f"tags.`{PARENT_TAG}` = '{parent_run_id}' and "
-                                                    f"tags.`{TRIAL_TAG}` = '{trial_id}'")
+        found = _trial_runs(client, experiment_id, parent_run_id, trial_id)
         if found or time.monotonic() > deadline:
             return found[0].info.run_id if found else None
         time.sleep(1.0)

@@ -5,8 +5,6 @@ them while the trials' drivers stay on the head (`resources.driver_resource`), e
 idle nodes go away. In a PID namespace of its own where the machine allows it, so `ray stop` stops only this
 cluster."""
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow import MlflowClient
-from test_tune_cluster import free_ports, isolated
+from test_tune_cluster import free_ports, run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,12 +80,7 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
         ray stop > {out}/stop.log 2>&1
         echo "stop=$?" >> {out}/codes
         """)
-    (tmp_path / "autoscale.sh").write_text(script)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([*isolated(), "bash", str(tmp_path / "autoscale.sh")], env=env, capture_output=True,
-                          text=True, timeout=1500)
-    logs = {p.name: p.read_text()[-3000:] for p in out.glob("*.log")}
-    codes = dict(line.split("=") for line in (out / "codes").read_text().split())
+    codes, logs, done = run_isolated(script, tmp_path / "autoscale.sh", out, timeout=1500, tail=3000)
     assert codes["start"] == "0" and codes["submit"] == "0" and codes["stop"] == "0", (codes, logs, done.stderr[-2000:])
     assert "succeeded" in logs["job.log"], logs["job.log"]
     # the head alone does not fit a trial: the study said it waits for nodes, and the autoscaler brought them

@@ -37,6 +37,17 @@ def isolated() -> list[str]:
     return []
 
 
+def run_isolated(script: str, path: Path, out: Path, timeout: float, tail: int = 2000):
+    """Run a bash script (written to `path`) in its own PID namespace where possible, without the caller's RAY_*
+    variables; returns (the `name=code` lines it appended to `out/codes`, the tails of `out/*.log`, the process)."""
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run([*isolated(), "bash", str(path)], env=env, capture_output=True, text=True, timeout=timeout)
+    logs = {p.name: p.read_text()[-tail:] for p in out.glob("*.log")}
+    codes = dict(line.split("=") for line in (out / "codes").read_text().split())
+    return codes, logs, done
+
+
 @pytest.mark.slow
 def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
     gcs, dashboard, ui = free_ports(3)
@@ -80,12 +91,7 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
         ray stop > {out}/stop.log 2>&1
         echo "stop=$?" >> {out}/codes
         """)
-    (tmp_path / "readme.sh").write_text(script)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    done = subprocess.run([*isolated(), "bash", str(tmp_path / "readme.sh")], env=env, capture_output=True,
-                          text=True, timeout=900)
-    logs = {p.name: p.read_text()[-2000:] for p in out.glob("*.log")}
-    codes = dict(line.split("=") for line in (out / "codes").read_text().split())
+    codes, logs, done = run_isolated(script, tmp_path / "readme.sh", out, timeout=900)
     assert codes == {"start": "0", "submit": "0", "stop": "0"}, (codes, logs, done.stderr[-2000:])
     assert "succeeded" in logs["job.log"], logs["job.log"]
     assert json.loads((out / "ui.json").read_text())["experiment"]["name"] == "hpsearch/job", logs["ui.log"]

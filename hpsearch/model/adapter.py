@@ -26,6 +26,14 @@ from torch import nn
 from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, sublayer_modules
 
 
+def normal_linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
+    """nn.Linear with weights N(0, std^2) and zero bias (HyperFormer's init of its hypernetworks; PHA's too)."""
+    layer = nn.Linear(d_in, d_out)
+    nn.init.normal_(layer.weight, std=std)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
 def row_bottleneck(y: torch.Tensor, down_w, down_b, up_w, up_b) -> torch.Tensor:
     """U(ReLU(D y + c)) + u with one adapter per row: y [B, n, d], down_w [B, b, d], down_b [B, b],
     up_w [B, d, b], up_b [B, d] (weights laid out [out, in] as in nn.Linear)."""

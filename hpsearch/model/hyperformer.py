@@ -31,19 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpsearch.errors import ConfigError
-from hpsearch.model.adapter import row_bottleneck
+from hpsearch.model.adapter import normal_linear, row_bottleneck
 from hpsearch.model.attention import SIDES
 from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext
 
 BLOCK_TYPES = ("ffn", "attention")  # the code's block-type ids: 0 = feed-forward, 1 = self-attention
 LN_EPS = 1e-5                       # F.layer_norm's default, as the code's conditional LayerNorm
-
-
-def _linear(d_in: int, d_out: int) -> nn.Linear:
-    layer = nn.Linear(d_in, d_out)
-    nn.init.normal_(layer.weight, std=1e-2)
-    nn.init.zeros_(layer.bias)
-    return layer
 
 
 class HyperFormerController(nn.Module):
@@ -54,12 +47,12 @@ class HyperFormerController(nn.Module):
         self.d, self.b = d_model, bottleneck
         self.layer_embeddings = nn.Embedding(num_layers, t)
         self.type_embeddings = nn.Embedding(len(BLOCK_TYPES), t)
-        self.projector = nn.Sequential(_linear(3 * t, hidden), nn.ReLU(), _linear(hidden, projected))
+        self.projector = nn.Sequential(normal_linear(3 * t, hidden), nn.ReLU(), normal_linear(hidden, projected))
         self.norm = nn.LayerNorm(projected, eps=1e-6)
         d, b = d_model, bottleneck
-        self.down_weight, self.down_bias = _linear(projected, b * d), _linear(projected, b)
-        self.up_weight, self.up_bias = _linear(projected, d * b), _linear(projected, d)
-        self.ln_weight, self.ln_bias = _linear(projected, d), _linear(projected, d)
+        self.down_weight, self.down_bias = normal_linear(projected, b * d), normal_linear(projected, b)
+        self.up_weight, self.up_bias = normal_linear(projected, d * b), normal_linear(projected, d)
+        self.ln_weight, self.ln_bias = normal_linear(projected, d), normal_linear(projected, d)
 
     def forward(self, tasks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """tasks [T, t] -> (D [T,L,2,b,d], c [T,L,2,b], U [T,L,2,d,b], u [T,L,2,d], gamma, beta [T,L,2,d])."""

@@ -36,18 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpsearch.model.adapter import row_bottleneck
+from hpsearch.model.adapter import normal_linear, row_bottleneck
 from hpsearch.model.attention import SIDES
 from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext
 
 FORMULA = "T*p + M*p + (d*r + r + r*p + p) + (2*p*h + h + h*p + p) + 2*p + (p + 1)*(2*d*b + b + d)"
-
-
-def _linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
-    layer = nn.Linear(d_in, d_out)
-    nn.init.normal_(layer.weight, std=std)
-    nn.init.zeros_(layer.bias)
-    return layer
 
 
 def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -87,12 +80,12 @@ class PHAT5(MultiTaskT5):
         self.blocks = [(side, i) for side in SIDES for i in range(len(getattr(t5, side).block))]
         self.prototypes = nn.Embedding(len(self.tasks), p)          # N(0, 1), as HyperFormer's embeddings
         self.block_embeddings = nn.Embedding(len(self.blocks), p)
-        self.retriever = nn.Sequential(_linear(d, cfg.pha_retriever_hidden, d ** -0.5), nn.ReLU(),
-                                       _linear(cfg.pha_retriever_hidden, p, cfg.pha_retriever_hidden ** -0.5))
-        self.hypernet = nn.Sequential(_linear(2 * p, cfg.pha_hidden, (2 * p) ** -0.5), nn.ReLU(),
-                                      _linear(cfg.pha_hidden, p, cfg.pha_hidden ** -0.5), nn.LayerNorm(p))
-        self.down_weight, self.down_bias = _linear(p, b * d), _linear(p, b)
-        self.up_weight, self.up_bias = _linear(p, d * b), _linear(p, d)
+        self.retriever = nn.Sequential(normal_linear(d, cfg.pha_retriever_hidden, d ** -0.5), nn.ReLU(),
+                                       normal_linear(cfg.pha_retriever_hidden, p, cfg.pha_retriever_hidden ** -0.5))
+        self.hypernet = nn.Sequential(normal_linear(2 * p, cfg.pha_hidden, (2 * p) ** -0.5), nn.ReLU(),
+                                      normal_linear(cfg.pha_hidden, p, cfg.pha_hidden ** -0.5), nn.LayerNorm(p))
+        self.down_weight, self.down_bias = normal_linear(p, b * d), normal_linear(p, b)
+        self.up_weight, self.up_bias = normal_linear(p, d * b), normal_linear(p, d)
 
     def generate_task_tensors(self, device=None) -> dict:
         """{(side, layer): (D [T, b, d], c [T, b], U [T, d, b], u [T, d])} for every task and block.

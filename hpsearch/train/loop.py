@@ -31,7 +31,6 @@ class Window:
     `fold()` all-reduces them in one collective at a log or evaluation boundary."""
 
     def __init__(self, device):
-        self.device = device
         self.zero = lambda: torch.zeros((), dtype=torch.float64, device=device)
         self.eval_loss, self.tokens, self.log_loss, self.first_bad = self.zero(), self.zero(), self.zero(), \
             self.zero()
@@ -179,14 +178,15 @@ def _train(loop_config: dict, session) -> dict:
             os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
         loss_n, log_n = loss_n + 1, log_n + 1
         evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
-        if not (evaluating or step % cfg.train.log_every == 0):
+        logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
+        if not (evaluating or logging_):
             continue
         sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
         if sums["bad_ranks"]:
             at = f"at step {int(window.first_bad)}" if window.first_bad > 0 else f"on another rank by step {step}"
             raise NonFiniteLoss(f"non-finite loss {at}: stopping the run (lower train.lr or raise "
                                 f"train.warmup_steps)")
-        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+        if logging_:
             elapsed = time.perf_counter() - t_start
             rate = (step - steps_at_start) / elapsed
             _rank0_print(rank, f"step {step}/{cfg.train.max_steps} loss {sums['log_loss'] / (log_n * world):.4f} "

@@ -140,11 +140,12 @@ def deterministic(reason: str) -> bool:
 
 # ---- Ray and the Tuner --------------------------------------------------------------------------------------------
 def trial_resources(space: SearchSpace) -> dict[str, float]:
-    """What one trial holds while it runs: its driver's CPU slice plus its Train workers."""
-    t = space.config.train
-    need = {"CPU": space.resources.trial_cpus + t.num_workers * t.cpus_per_worker}
-    if t.use_gpu:
-        need["GPU"] = t.num_workers * t.gpus_per_worker
+    """What one trial holds while it runs, summed over `trial_bundles`: its driver's CPU slice (and driver
+    resource) plus its Train workers."""
+    need: dict[str, float] = {}
+    for bundle in trial_bundles(space):
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v
     return need
 
 
@@ -165,10 +166,7 @@ def wait_for_nodes(space: SearchSpace, say) -> None:
     import ray
     from ray.autoscaler.sdk import request_resources
 
-    need: dict[str, float] = {}
-    for bundle in trial_bundles(space):
-        for k, v in bundle.items():
-            need[k] = need.get(k, 0.0) + v
+    need = trial_resources(space)
     fits = lambda have: all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
     show = lambda d: ", ".join(f"{v:g} {k}" for k, v in sorted(d.items()) if k in need)
     have = ray.cluster_resources()
