@@ -198,3 +198,28 @@ def test_failure_reason_is_the_exception_line_not_a_header_or_the_source_that_ra
     assert failure_reason(wrapped) == "no space left on device writing /runs/t1; free space there"
     assert failure_reason(RuntimeError("[Rank 0 Error Snippet]:\nTraceback:\nValueError: bad row")) == \
         "ValueError: bad row"
+
+
+def test_window_folds_device_sums_with_the_first_non_finite_step():
+    """The loop's device-side sums, written out by hand: micro-step losses averaged over grad_accum per step, tokens
+    summed, auxiliary losses averaged like the loss, and the first step whose loss was not finite."""
+    import torch
+
+    from hpsearch.train.loop import Window
+    window = Window(torch.device("cpu"))
+    losses = {1: [2.0, 4.0], 2: [1.0, float("nan")], 3: [3.0, 5.0]}  # grad_accum = 2
+    for step, pair in {**losses, 3: [3.0, float("inf")]}.items():  # a second bad step: the first one is kept
+        for k, value in enumerate(pair):
+            window.add(step, torch.tensor(value), torch.tensor(10 * step + k), {"ir_loss": torch.tensor(step * 1.0)},
+                       grad_accum=2)
+    sums = window.fold()
+    assert sums["tokens"] == 10 + 11 + 20 + 21 + 30 + 31
+    assert sums["bad_ranks"] == 1 and int(window.first_bad) == 2
+    assert sums["aux"] == {"ir_loss": (1 + 2 + 3) * 2 / 2}
+    clean = Window(torch.device("cpu"))
+    for step in (1, 3):
+        for value in losses[step]:
+            clean.add(step, torch.tensor(value), torch.tensor(0), {}, grad_accum=2)
+    folded = clean.fold()
+    assert folded["eval_loss"] == folded["log_loss"] == (2 + 4) / 2 + (3 + 5) / 2  # per-step means, summed
+    assert folded["bad_ranks"] == 0 and int(clean.first_bad) == 0 and folded["aux"] == {}
