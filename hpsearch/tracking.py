@@ -338,3 +338,39 @@ def system_metrics_monitor(uri: str, run_id: str, interval: float, node_id: str 
                                    tracking_uri=uri)
     monitor.start()
     return monitor
+
+
+# ---- one run outside a study (pretraining) ----------------------------------------------------------------------
+class SingleRun:
+    """One MLflow run of a Ray Train run that is not a study's trial (`hpsearch.pretrain`): params at the start,
+    every report's metrics live (`callback()`, called in Ray Train's controller), artifacts and status at the end."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict[str, Any], command: str):
+        open_store(tracking_uri)
+        self.tracking_uri, self.client = tracking_uri, _client(tracking_uri)
+        found = self.client.get_experiment_by_name(experiment_name(experiment))
+        experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment_name(experiment), tags=EXPERIMENT_TAGS)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={
+            ROLE_TAG: experiment, "mlflow.source.git.commit": git_commit(), "hpsearch.command": command,
+            "mlflow.source.name": command.split(" [")[0]}).info.run_id
+        from mlflow.entities import Param
+        _log_batches(self.client, self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+
+    def callback(self):
+        from ray.train import UserCallback
+
+        uri, run_id = self.tracking_uri, self.run_id
+
+        class LogReports(UserCallback):  # pickled to the controller: it holds the run's address, not a client
+            def after_report(self, run_context, metrics, checkpoint):
+                if metrics and metrics[0]:
+                    _log_batches(_client(uri), run_id, metrics=_metrics(metrics[0], int(metrics[0].get("step", 0))))
+
+        return LogReports()
+
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), folder)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)

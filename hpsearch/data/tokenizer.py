@@ -22,7 +22,7 @@ from hpsearch.data.spec import Example
 from hpsearch.errors import ConfigError, DataError
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5
-_OFFLINE_SHAPE = re.compile(r"t5-(tiny|small|base|large|3b|11b)|t5-v1_1-[a-z0-9]+")
+_OFFLINE_SHAPE = re.compile(r"t5-(tiny|mini|small|base|large|3b|11b)|t5-v1_1-[a-z0-9]+")
 _VERSION = "bpe-bytelevel-v1"  # change when the training recipe changes, so old caches are not reused
 
 

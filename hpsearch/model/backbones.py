@@ -20,6 +20,9 @@ _V11 = dict(feed_forward_proj="gated-gelu", vocab_size=32128, tie_word_embedding
 NAMED_SHAPES: dict[str, dict] = {
     "t5-tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, feed_forward_proj="relu",
                     vocab_size=4096, dropout_rate=0.0),
+    # not a published shape: 9.4 M parameters, small enough to pretrain on a CPU box (python -m hpsearch.pretrain)
+    "t5-mini": dict(d_model=256, d_ff=1024, num_layers=4, num_heads=4, d_kv=64, feed_forward_proj="relu",
+                    vocab_size=8192),
     "t5-small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64, **_V1),
     "t5-base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, **_V1),
     "t5-large": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64, **_V1),
@@ -61,6 +64,13 @@ def _quiet_hub():
         logger.setLevel(level)
 
 
+def _looks_local(text: str) -> bool:
+    """A path, not a hub id ("org/name"): starts with . / ~, has two or more separators, or starts in a folder
+    that exists here."""
+    parts = text.replace("\\", "/").split("/")
+    return text.startswith((".", "/", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+
+
 def backbone_config(backbone, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
     """The T5Config of a backbone, without building weights (hub/local: reads the config file only)."""
     if isinstance(backbone, T5Config):
@@ -75,8 +85,10 @@ def backbone_config(backbone, vocab_size: int | None = None, dropout: float | No
             raise ConfigError(f"model.backbone: {backbone} is not a checkpoint (expected config.json and "
                               "model.safetensors or pytorch_model.bin in it, an hpsearch export with "
                               "hpsearch_model.json, or a named shape)")
-    elif any(c in str(backbone) for c in "/\\") and str(backbone).startswith((".", "/", "~")):
-        raise ConfigError(f"model.backbone: {backbone}: no such directory")
+    elif _looks_local(str(backbone)):
+        raise ConfigError(f"model.backbone: {backbone}: no such directory; to make a pretrained backbone there, run "
+                          "python -m hpsearch.pretrain (it writes <train.output_dir>/backbone, by default "
+                          "runs/pretrain/backbone)")
     try:
         with _quiet_hub():
             config = T5Config.from_pretrained(backbone)

@@ -61,10 +61,11 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
 
 
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
-                  system_metrics: dict | None = None):
+                  system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None):
     """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
     checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
-    `system_metrics`: {tracking_uri, run_id, interval}, sampled by the first rank of each node."""
+    `system_metrics`: {tracking_uri, run_id, interval}, sampled by the first rank of each node. `objective`, `options`:
+    what the loop trains on ("module:Class" and its options; default the suite's fine-tuning, see objective.py)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -78,7 +79,8 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     return TorchTrainer(
         loop,
         train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
-                           else None, "system_metrics": system_metrics},
+                           else None, "system_metrics": system_metrics, "objective": objective,
+                           "options": options},
         torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),
@@ -90,7 +92,8 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     )
 
 
-def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
+def run_with_ray(cfg: RunConfig, resume_from: str | None, *, objective: str | None = None,
+                 options: dict | None = None, callbacks=()) -> dict:
     import ray
     import ray.train
 
@@ -99,7 +102,8 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None) -> dict:
         init_ray(cfg)
     storage = str(Path(cfg.train.output_dir, "ray").resolve())
     name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
-    trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from=resume_from)
+    trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from=resume_from, objective=objective,
+                            options=options, callbacks=callbacks)
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps a worker's error; surface its reason in one line

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from hpsearch.config import dump_yaml, load_config
+from hpsearch.config import load_config
 from hpsearch.errors import UserError
 from hpsearch.train import checkpoints
 from hpsearch.train.dsconfig import deepspeed_config, lr_lambda
-from hpsearch.train.evaluate import Evaluator
 from hpsearch.train.launch import free_port
+from hpsearch.train.objective import load_objective
 from hpsearch.train.ops import load_ops, ops_for
 from hpsearch.train.sessions import RaySession
 
@@ -67,7 +67,8 @@ def _all_ranks_sum(values: list[float], device) -> list[float]:
 
 
 def train_loop(loop_config: dict, session=None) -> dict:
-    """Train `loop_config["run"]` (a RunConfig dict) on this rank; returns the final metrics. With
+    """Train `loop_config["run"]` (a RunConfig dict) on this rank; returns the final metrics. The objective is
+    `loop_config["objective"]` ("module:Class", default the suite's FineTuning) with `loop_config["options"]`. With
     `loop_config["system_metrics"]` ({tracking_uri, run_id, interval}), the first rank of each node samples the
     node's system metrics into that MLflow run while it trains."""
     session = session or RaySession(loop_config.get("resume_from"))
@@ -95,10 +96,6 @@ def _train(loop_config: dict, session) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
-    from hpsearch.data.tokens import TokenizedSuite
-    from hpsearch.model import build_from_config
-
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
@@ -106,12 +103,8 @@ def _train(loop_config: dict, session) -> dict:
     deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
 
-    suite = load_suite(cfg.data)
-    torch.manual_seed(cfg.train.seed)
-    model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
-    tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, model.t5.config.vocab_size)
-    model.init_task_params([[tokenizer(word, add_special_tokens=False).input_ids for word in (spec.labels or ())]
-                            for spec in (get_task(t) for t in suite.tasks)])  # e.g. prompt tuning's `labels` init
+    objective = load_objective(loop_config.get("objective"))(cfg, rank, world, loop_config.get("options"))
+    model, sampler = objective.model, objective.sampler
     torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     extra_params = model.extra_parameters()["total"]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,8 +112,6 @@ def _train(loop_config: dict, session) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, world))  # the engine steps both
-    sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
-                               cfg.data.batching, cfg.data.seed, rank, world)
     step, best = 0, {"score": -math.inf, "step": 0}
     out_dir = Path(cfg.train.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,8 +141,7 @@ def _train(loop_config: dict, session) -> dict:
         session.release_checkpoint_dir()
     elif rank == 0:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-    tokens = TokenizedSuite(suite, tokenizer, cfg.data)  # every row tokenized once, batches collated from ids
-    evaluator = Evaluator(engine, suite, tokens, cfg, rank, world, device)
+    objective.start(engine, device)
     t_start, loss_n, log_n, t_last = time.perf_counter(), 0, 0, time.perf_counter()
     window = Window(device)
     copy = (lambda v: v.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else \
@@ -162,7 +152,7 @@ def _train(loop_config: dict, session) -> dict:
     while step < cfg.train.max_steps:
         engine.train()
         for _ in range(cfg.train.grad_accum):
-            batch = {k: copy(v) for k, v in tokens.batch(next(sampler), "train").items()}
+            batch = {k: copy(v) for k, v in objective.batch().items()}
             out = engine(**batch)
             loss = out.loss
             if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
@@ -198,7 +188,7 @@ def _train(loop_config: dict, session) -> dict:
                        "step_time": (now - t_last) / loss_n, "tokens_per_s": sums["tokens"] / (now - t_last),
                        "extra_params": extra_params,
                        **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
-            metrics.update(evaluator.evaluate("validation"))
+            metrics.update(objective.evaluate())
             if metrics["score"] > best["score"]:
                 best = {"score": metrics["score"], "step": step}
                 engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
@@ -209,7 +199,7 @@ def _train(loop_config: dict, session) -> dict:
                     "sampler": sampler.state_dict(), "step": step, "best": best, "rng": checkpoints.rng_state()})
                 checkpoints.copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel
                 if step == cfg.train.max_steps:
-                    final = {**metrics, **finish(engine, evaluator, cfg, rank, best)}
+                    final = {**metrics, **finish(engine, objective, cfg, rank, best, device)}
                 if rank == 0:
                     with open(out_dir / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(final) + "\n")
@@ -220,29 +210,17 @@ def _train(loop_config: dict, session) -> dict:
     return final
 
 
-def finish(engine, evaluator, cfg, rank, best) -> dict:
-    """Load the best validation checkpoint, export it, and score it on the test split."""
-    import deepspeed
-
-    from hpsearch.model import save_export, save_task_params
-
+def finish(engine, objective, cfg, rank, best, device) -> dict:
+    """Load the best validation checkpoint; the objective exports it (and scores it on the test split)."""
     out_dir = Path(cfg.train.output_dir)
-    has_best = _all_ranks_sum([float((out_dir / "best" / "best").is_dir())], evaluator.device)[0] == evaluator.world
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    has_best = _all_ranks_sum([float((out_dir / "best" / "best").is_dir())], device)[0] == world
     if best["step"] and has_best:
         checkpoints.load(engine, out_dir / "best", tag="best", load_optimizer_states=False,
                          load_lr_scheduler_states=False)
     else:  # no validation score ever (no validation rows): the last weights are the result
         best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
-    model = engine.module
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):  # every rank joins the gather
-        if rank == 0:
-            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            save_export(model, out_dir / "model", state)
-            save_task_params(model, out_dir / "task_params", state)
-            (out_dir / "config.yaml").write_text(dump_yaml(cfg))
-    test = evaluator.evaluate("test", prefix="test")
-    return {"test_score": test.pop("test_score"), **test, "best_step": best["step"], "final": 1.0,
+    return {**objective.finish(engine, best), "best_step": best["step"], "final": 1.0,
             "output_dir": str(out_dir.resolve())}
 
 

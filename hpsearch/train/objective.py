@@ -1,0 +1,87 @@
+"""What a run trains on, apart from the loop: the model, the batches, the validation score and the export.
+
+The loop (`loop.py`) owns DeepSpeed, steps, checkpoints, resume and reports; an objective owns the data. The
+recipe's own objective is `FineTuning` (the suite's tasks); `hpsearch.pretrain` passes its span-corruption objective
+by name (`loop_config["objective"] = "module:Class"`), so pretraining runs the same loop. An objective has:
+
+    objective = Objective(cfg, rank, world, options)      # builds .model (same weights on every rank), .sampler
+    objective.start(engine, device)                       # after DeepSpeed wraps the model
+    objective.batch()                                     # this rank's next training batch (CPU tensors)
+    objective.evaluate()                                  # validation metrics with "score" (higher is better)
+    objective.finish(engine, best)                        # export the (best) weights, score the test split
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from hpsearch.config import dump_yaml
+
+
+def load_objective(name: str | None):
+    """The objective class `module:Class` names; FineTuning when None."""
+    if not name:
+        return FineTuning
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def gathered_state(engine, rank: int, use) -> None:
+    """Call `use(state)` on rank 0 with the full (ZeRO-3 gathered) state dict on the CPU; every rank must call this
+    (the gather is collective)."""
+    import deepspeed
+
+    model = engine.module
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        if rank == 0:
+            use({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+
+
+class FineTuning:
+    """The suite's tasks: temperature-sampled multi-task batches, generation scored on validation and test, and
+    the export (model/, task_params/, config.yaml)."""
+
+    def __init__(self, cfg, rank: int, world: int, options: dict | None = None):
+        from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
+        from hpsearch.model import build_from_config
+
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.suite = suite = load_suite(cfg.data)
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
+        self.tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, self.model.t5.config.vocab_size)
+        self.model.init_task_params([[self.tokenizer(word, add_special_tokens=False).input_ids
+                                      for word in (spec.labels or ())]
+                                     for spec in (get_task(t) for t in suite.tasks)])  # e.g. prompt tuning's labels
+        self.sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
+                                        cfg.data.batching, cfg.data.seed, rank, world)
+
+    def start(self, engine, device) -> None:
+        from hpsearch.data.tokens import TokenizedSuite
+        from hpsearch.train.evaluate import Evaluator
+
+        self.tokens = TokenizedSuite(self.suite, self.tokenizer, self.cfg.data)  # every row tokenized once
+        self.evaluator = Evaluator(engine, self.suite, self.tokens, self.cfg, self.rank, self.world, device)
+
+    def batch(self) -> dict:
+        return self.tokens.batch(next(self.sampler), "train")
+
+    def evaluate(self) -> dict:
+        return self.evaluator.evaluate("validation")
+
+    def finish(self, engine, best: dict) -> dict:
+        """Export the loaded weights and score them on the test split."""
+        from hpsearch.model import save_export, save_task_params
+
+        out_dir = Path(self.cfg.train.output_dir)
+
+        def export(state):
+            save_export(engine.module, out_dir / "model", state)
+            save_task_params(engine.module, out_dir / "task_params", state)
+            (out_dir / "config.yaml").write_text(dump_yaml(self.cfg))
+
+        gathered_state(engine, self.rank, export)
+        test = self.evaluator.evaluate("test", prefix="test")
+        return {"test_score": test.pop("test_score"), **test}

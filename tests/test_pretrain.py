@@ -1,0 +1,225 @@
+"""`python -m hpsearch.pretrain`: T5 span corruption (hand-worked and counted), the corpus reader (training text
+only), a run with Ray Train that lowers the loss and whose backbone fine-tunes, and resume = an uninterrupted run."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hpsearch.errors import DataError
+from hpsearch.pretrain.corpus import read_folder, suite_texts
+from hpsearch.pretrain.spans import corrupt, noise_mask, span_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+GLUE = ROOT.parent / "shared" / "data" / "glue"
+TINY = ["model.backbone=t5-tiny", "data.source=synthetic", "data.synthetic_train_rows=300",
+        "data.synthetic_eval_rows=40", "corpus.max_length=32", "corpus.heldout_chunks=16", "train.lr=3e-3",
+        "train.warmup_steps=2", "train.micro_batch_size=8", "train.eval_batch_size=8"]
+
+
+def pretrain(*args, cwd, timeout=600):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "hpsearch.pretrain", *args, "--tracking-uri",
+                           f"sqlite:///{cwd}/mlflow.db"], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- span corruption -----------------------------------------------------------------------------------------------
+def test_span_corruption_against_a_hand_worked_example():
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    mask = [False, False, True, True, False, False, False, True]
+    inputs, targets = corrupt(ids, mask, sentinels=[99, 98, 97], eos=1)
+    assert inputs == [5, 6, 99, 9, 10, 11, 98, 1]       # each span -> its sentinel, eos appended
+    assert targets == [99, 7, 8, 98, 12, 1]             # sentinel, the tokens it hid; eos appended
+    assert corrupt([5, 6, 7], [True, False, False], [99], eos=1) == ([99, 6, 7, 1], [99, 5, 1])
+    assert corrupt([5, 6], [False, False], [99], eos=1) == ([5, 6, 1], [1])
+    with pytest.raises(ValueError, match="sentinel"):
+        corrupt([5, 6, 7, 8], [True, False, True, False], [99], eos=1)
+
+
+def _runs(mask: np.ndarray) -> list[int]:
+    """Lengths of the runs of True, in order."""
+    runs, n = [], 0
+    for m in list(mask) + [False]:
+        if m:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_noise_masks_have_t5s_counts_and_mean_span_length():
+    # T5's rule, by hand: round(L x 0.15) noise tokens in round(noise / 3) spans (half to even, as numpy and tf round)
+    assert span_counts(127, 0.15, 3.0) == (19, 6)
+    assert span_counts(10, 0.15, 3.0) == (2, 1)       # 1.5 -> 2 noise tokens, 2/3 -> 1 span
+    assert span_counts(3, 0.15, 3.0) == (1, 1)        # at least one noise token ...
+    assert span_counts(1, 0.15, 3.0) == (0, 0)        # ... unless nothing can stay
+    lengths = []
+    for length in (2, 5, 31, 127):
+        for seed in range(30):
+            mask = noise_mask(length, 0.15, 3.0, np.random.default_rng(seed))
+            noise, spans = span_counts(length, 0.15, 3.0)
+            runs = _runs(mask)
+            assert int(mask.sum()) == noise and len(runs) == spans, (length, seed, mask)
+            assert not mask[0]  # the sequence starts with kept tokens
+            if length == 127:
+                lengths += runs
+    assert np.mean(lengths) == pytest.approx(19 / 6)  # the mean span length the counts fix
+    assert len({tuple(noise_mask(127, 0.15, 3.0, np.random.default_rng(s))) for s in range(30)}) == 30  # random
+
+
+def test_a_batch_is_its_pieces_corrupted(tmp_path):
+    """Every row of a training batch, its sentinels filled back from its target, is the piece it was cut from;
+    eos ends inputs and targets and appears nowhere else (no span crosses it)."""
+    from hpsearch.pretrain.config import load_pretrain_config
+    from hpsearch.pretrain.objective import SpanCorruption
+
+    cfg, corpus = load_pretrain_config(None, [*TINY, f"data.cache_dir={tmp_path}"])
+    import dataclasses
+    objective = SpanCorruption(cfg, 0, 1, {"corpus": dataclasses.asdict(corpus)})
+    sentinels = set(objective.sentinels)
+    assert len(sentinels) == 100 and max(sentinels) < objective.model.t5.config.vocab_size
+    for _ in range(3):
+        picks = next(copy.deepcopy(objective.sampler))
+        batch = objective.batch()
+        assert batch["input_ids"].shape[0] == len(picks) == 8
+        for row, (_, piece_index) in enumerate(picks):
+            piece = objective.chunks.train[piece_index]
+            inputs = batch["input_ids"][row][batch["attention_mask"][row] == 1].tolist()
+            targets = batch["labels"][row][batch["labels"][row] != -100].tolist()
+            assert inputs[-1] == targets[-1] == objective.eos
+            assert objective.eos not in inputs[:-1] + targets[:-1]
+            spans, current = {}, None
+            for token in targets[:-1]:
+                if token in sentinels:
+                    current = spans.setdefault(token, [])
+                else:
+                    current.append(token)
+            rebuilt = [t for token in inputs[:-1] for t in (spans[token] if token in sentinels else [token])]
+            assert rebuilt == piece
+            assert sum(map(len, spans.values())) == span_counts(len(piece), 0.15, 3.0)[0]
+
+
+# ---- the corpus ----------------------------------------------------------------------------------------------------
+def test_the_corpus_reader_reads_text_and_refuses_validation_and_test_files(tmp_path):
+    ok = tmp_path / "ok"
+    (ok / "news").mkdir(parents=True)
+    (ok / "a.txt").write_text("one text\n\n  two   texts \n")
+    (ok / "news" / "b.jsonl").write_text('{"text": "three"}\n{"text": "four", "id": 1}\n')
+    (ok / "contest-devices.txt").write_text("five\n")  # words that merely contain "test" or "dev" are fine
+    assert read_folder(ok) == ["one text", "two texts", "five", "three", "four"]
+    for name in ("validation.jsonl", "test.txt", "dev/news.txt", "rte/val.jsonl", "my_test_set.txt"):
+        bad = tmp_path / name.replace("/", "_").replace(".", "_")
+        (bad / name).parent.mkdir(parents=True)
+        (bad / "train.txt").write_text("fine\n")
+        (bad / name).write_text('{"text": "held out"}\n' if name.endswith(".jsonl") else "held out\n")
+        with pytest.raises(DataError, match="validation or test file"):
+            read_folder(bad)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "train.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:2: no string field 'text'"):
+        read_folder(broken)
+
+
+def test_the_default_corpus_is_the_training_inputs_only():
+    from hpsearch.data import DataConfig, load_suite
+
+    suite = load_suite(DataConfig())
+    texts = suite_texts(suite)
+    assert texts == [e.source for t in suite.tasks for e in suite.split(t, "train")]
+    if GLUE.is_dir():  # real rows: no validation or test input, no label, reaches the corpus
+        # (SST-2's own train and validation files share a few short phrases, so it is not among these)
+        suite = load_suite(DataConfig(source=str(GLUE), tasks=["rte", "cb", "mrpc"]))
+        texts = set(suite_texts(suite))
+        held_out = {e.source for t in suite.tasks for s in ("validation", "test") for e in suite.split(t, s)}
+        assert len(texts) > 6_000 and len(held_out) > 700 and not texts & held_out
+        assert not texts & {e.target for t in suite.tasks for e in suite.split(t, "train")}
+
+
+# ---- runs ----------------------------------------------------------------------------------------------------------
+def heldout_loss_of(backbone: Path, objective) -> float:
+    """The held-out span-corruption loss of an exported backbone, computed with stock T5 (HF's own loss per row)."""
+    from transformers import T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration.from_pretrained(backbone).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in objective.heldout:
+            out = t5(input_ids=torch.tensor([inputs]), labels=torch.tensor([targets]))
+            total += out.loss.item() * len(targets)
+            tokens += len(targets)
+    return total / tokens
+
+
+@pytest.mark.slow
+def test_pretraining_resume_equals_an_uninterrupted_run_and_exports_the_best_weights(tmp_path):
+    import dataclasses
+
+    from hpsearch.pretrain.config import load_pretrain_config
+    from hpsearch.pretrain.objective import SpanCorruption
+
+    args = ["--local", *TINY, "train.max_steps=12", "train.eval_every=6", "train.log_every=6"]
+    full = pretrain(*args, f"train.output_dir={tmp_path}/full", cwd=tmp_path)
+    resumed = pretrain(*args, f"train.output_dir={tmp_path}/resumed", "--resume-from",
+                       str(tmp_path / "full" / "checkpoints" / "step_6"), cwd=tmp_path)
+    assert full["step"] == resumed["step"] == 12
+    assert resumed["loss"] == pytest.approx(full["loss"], rel=1e-5)
+    assert resumed["heldout_loss"] == pytest.approx(full["heldout_loss"], rel=1e-5)
+    from safetensors.torch import load_file
+    a, b = (load_file(tmp_path / run / "backbone" / "model.safetensors") for run in ("full", "resumed"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # the export is the best held-out step's weights: stock T5 on them gives the held-out loss reported there
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    best = max(rows, key=lambda r: r["heldout_accuracy"])
+    assert full["best_step"] == best["step"]
+    cfg, corpus = load_pretrain_config(None, TINY)
+    objective = SpanCorruption(cfg, 0, 1, {"corpus": dataclasses.asdict(corpus)})
+    assert heldout_loss_of(tmp_path / "full" / "backbone", objective) == pytest.approx(best["heldout_loss"],
+                                                                                          rel=1e-4)
+
+
+@pytest.mark.slow
+def test_pretraining_with_ray_lowers_the_loss_and_its_backbone_fine_tunes(tmp_path):
+    out = pretrain(*TINY, "train.max_steps=40", "train.eval_every=10", "train.log_every=10", "train.num_workers=2",
+                   "train.cpus_per_worker=0.9", "train.zero_stage=3", f"train.output_dir={tmp_path}/pre", cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "pre" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert rows[-1]["heldout_loss"] < rows[0]["heldout_loss"] - 1.0 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    backbone = Path(out["backbone"])
+    assert backbone == tmp_path / "pre" / "backbone"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "pretrain.json"} <= {p.name for p in
+                                                                                          backbone.iterdir()}
+    # it loads as a backbone: its weights become the fine-tuned model's T5, its tokenizer is the checkpoint's
+    from safetensors.torch import load_file
+
+    from hpsearch.model import build_model
+    model = build_model(str(backbone), "hyperprompt", ["rte", "cb"])
+    saved = load_file(backbone / "model.safetensors")
+    state = model.t5.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "hpsearch.train", "--local", f"model.backbone={backbone}",
+                           "train.max_steps=4", "train.eval_every=4", "data.synthetic_train_rows=100",
+                           "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}/ft"], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 4
+    # one MLflow run with every evaluation's metrics and the loss curve
+    from mlflow import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("hpsearch/pretrain").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["corpus.noise_density"] == "0.15"
+    history = client.get_metric_history(run.info.run_id, "heldout_loss")
+    assert sorted(m.step for m in history) == [10, 20, 30, 40]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["loss.png"]
