@@ -30,6 +30,12 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     half.mkdir(parents=True)
     (half / "hpsearch-study.json").write_text(json.dumps({"name": "half"}))
     tune = ["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"]
+    pretrain = ["hpsearch.pretrain", "--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "data.source=synthetic",
+                "model.backbone=t5-tiny", f"train.output_dir={tmp}/pretrain-out"]
+    leaky = tmp / "leaky-corpus"
+    (leaky / "rte").mkdir(parents=True)
+    (leaky / "rte" / "train.jsonl").write_text('{"text": "fine"}\n')
+    (leaky / "rte" / "validation.jsonl").write_text('{"text": "scored on"}\n')
     return {
         "yaml key twice": ([*tune, "--space", write(tmp / "dup.yaml", "budget: {trials: 2}\nbudget: {trials: 3}\n")],
                            "dup.yaml:2: 'budget' is given twice (first on line 1)"),
@@ -61,6 +67,14 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "params argparse": (["hpsearch.params", "--num-tasks", "x"], "invalid int value: 'x'"),
         "train backbone not a checkpoint": (["hpsearch.train", f"model.backbone={notckpt}",
                                              f"train.output_dir={tmp}/train-out"], "is not a checkpoint"),
+        "study backbone not pretrained yet": ([*tune, "model.backbone=runs/pretrain/backbone"],
+                                              "no such directory; to make a pretrained backbone there, run "
+                                              "python -m hpsearch.pretrain"),
+        "pretrain corpus missing": ([*pretrain, "corpus.path=./no-such-corpus"], "corpus.path: ./no-such-corpus"),
+        "pretrain validation file": ([*pretrain, f"corpus.path={leaky}"], "validation.jsonl is a validation or test"),
+        "pretrain not plain": ([*pretrain, "model.method=hyperprompt"], "pretraining trains the plain backbone"),
+        "pretrain unknown field": ([*pretrain, "corpus.noise=0.2"], "unknown field 'corpus.noise'"),
+        "pretrain bad density": ([*pretrain, "corpus.noise_density=1.5"], "corpus.noise_density: 1.5"),
     }
 
 
@@ -68,7 +82,9 @@ NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite now
          "optuna storage nowhere", "optuna storage no driver",
          "too many workers", "no gpu here", "argparse type", "train argparse", "corrupt study state",
          "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",
-         "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint"]
+         "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint",
+         "study backbone not pretrained yet", "pretrain corpus missing", "pretrain validation file",
+         "pretrain not plain", "pretrain unknown field", "pretrain bad density"]
 
 
 @pytest.fixture(scope="module")

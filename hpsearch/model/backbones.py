@@ -107,7 +107,7 @@ def check_local_backbone(backbone: str) -> None:
     folder = Path(str(backbone)).expanduser()
     if (folder / "hpsearch_model.json").is_file():
         return
-    if folder.is_dir() or str(backbone).startswith((".", "/", "~")):
+    if folder.is_dir() or _looks_local(str(backbone)):
         backbone_config(backbone)
 
 
