@@ -223,3 +223,29 @@ def test_window_folds_device_sums_with_the_first_non_finite_step():
     folded = clean.fold()
     assert folded["eval_loss"] == folded["log_loss"] == (2 + 4) / 2 + (3 + 5) / 2  # per-step means, summed
     assert folded["bad_ranks"] == 0 and int(clean.first_bad) == 0 and folded["aux"] == {}
+
+
+def test_prefetch_hands_out_the_same_batches_and_the_state_before_the_pending_one():
+    import torch
+
+    from hpsearch.data import MultiTaskSampler
+    from hpsearch.train.prefetch import Prefetch
+
+    def stream():
+        sampler = MultiTaskSampler([7, 5, 3], 4, 1.0, "mixed", seed=3)
+        return sampler, lambda: {"rows": torch.tensor(next(sampler))}
+
+    plain_sampler, plain = stream()
+    sampler, make = stream()
+    batches = Prefetch(make, sampler.state_dict)
+    try:
+        for k in range(6):
+            expected_state = plain_sampler.state_dict()  # after the k batches handed out so far
+            assert batches.state() == expected_state
+            assert torch.equal(batches.next()["rows"], plain()["rows"])
+            assert batches.state() == plain_sampler.state_dict() != sampler.state_dict()  # one batch is ahead
+        resumed_sampler, resumed = stream()
+        resumed_sampler.load_state_dict(batches.state())  # a checkpoint's state resumes at the next batch
+        assert torch.equal(resumed()["rows"], plain()["rows"])
+    finally:
+        batches.close()

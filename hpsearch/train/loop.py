@@ -18,6 +18,7 @@ from hpsearch.train.dsconfig import deepspeed_config, lr_lambda
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
 from hpsearch.train.ops import load_ops, ops_for
+from hpsearch.train.prefetch import Prefetch
 from hpsearch.train.sessions import RaySession
 
 
@@ -144,15 +145,15 @@ def _train(loop_config: dict, session) -> dict:
     objective.start(engine, device)
     t_start, loss_n, log_n, t_last = time.perf_counter(), 0, 0, time.perf_counter()
     window = Window(device)
-    copy = (lambda v: v.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else \
-        (lambda v: v.to(device))
+    batches = Prefetch(objective.batch, sampler.state_dict, pin=device.type == "cuda")  # the next batch meanwhile
+    copy = lambda v: v.to(device, non_blocking=True)
     lr_used = cfg.train.lr
     steps_at_start = step
     final: dict = {}
     while step < cfg.train.max_steps:
         engine.train()
         for _ in range(cfg.train.grad_accum):
-            batch = {k: copy(v) for k, v in objective.batch().items()}
+            batch = {k: copy(v) for k, v in batches.next().items()}
             out = engine(**batch)
             loss = out.loss
             if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
@@ -196,7 +197,7 @@ def _train(loop_config: dict, session) -> dict:
             final = metrics
             with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
                 engine.save_checkpoint(ckpt, tag="state", client_state={
-                    "sampler": sampler.state_dict(), "step": step, "best": best, "rng": checkpoints.rng_state()})
+                    "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})
                 checkpoints.copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel
                 if step == cfg.train.max_steps:
                     final = {**metrics, **finish(engine, objective, cfg, rank, best, device)}
@@ -204,9 +205,12 @@ def _train(loop_config: dict, session) -> dict:
                     with open(out_dir / "metrics.jsonl", "a") as f:
                         f.write(json.dumps(final) + "\n")
                     checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
+                    if final.get("final") and loop_config.get("export_to"):  # a study in a bucket: exports go there
+                        checkpoints.upload_exports(out_dir, *loop_config["export_to"])
                 session.report(final, ckpt)
             loss_n, t_last = 0, time.perf_counter()
             window.eval_loss, window.tokens, window.aux = window.zero(), window.zero(), {}
+    batches.close()
     return final
 
 
