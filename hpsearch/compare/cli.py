@@ -51,22 +51,23 @@ def prepare(args: argparse.Namespace):
     from hpsearch.tune.cli import (
         _check_backbone,
         _check_fits,
-        _check_storage,
         _next_free_study,
         _study_dir,
         local_resources,
     )
+    from hpsearch.tune.storage import open_storage
 
     if args.seeds is not None and args.seeds < 1:
         raise ConfigError(f"--seeds: {args.seeds}; expected an integer >= 1 (3 or more for an interval)")
     overrides = list(args.overrides) + ([f"seeds={args.seeds}"] if args.seeds is not None else [])
     spec_path = Path(args.spec) if args.spec else DEFAULT_SPEC
     spec = load_spec(spec_path, overrides)
-    notes = apply_best(spec, args.storage_path, args.from_study) if args.from_study else []
+    storage = open_storage(args.storage_path)
+    notes = apply_best(spec, storage, args.from_study) if args.from_study else []
     uri = resolve_tracking_uri(args.tracking_uri or DEFAULT_TRACKING_URI)
-    name = args.name or _next_free_study(args.storage_path, spec.name)
-    where = _study_dir(args.storage_path, name)
-    if where.exists():
+    name = args.name or _next_free_study(storage, spec.name)
+    where = _study_dir(storage, name)
+    if storage.exists(name):
         raise ConfigError(f"--name {name}: a study or comparison of that name already exists in {where}; choose "
                           "another --name")
     for cfg in [spec.config, *(m.config for m in spec.methods)]:
@@ -76,12 +77,12 @@ def prepare(args: argparse.Namespace):
     for entry in spec.entries():
         _check_backbone(entry.config)
         sizes[entry.label] = backbone_size(entry.config, tasks)
-    _check_storage(where)
+    storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(spec, local_resources())
     state = {"name": name, "spec_path": str(spec_path), "spec_text": spec.text, "overrides": overrides,
              "from_study": args.from_study, "tracking_uri": uri}
-    return Comparison(name, where, spec), state, sizes, tasks, notes
+    return Comparison(name, where, spec, storage=storage), state, sizes, tasks, notes
 
 
 def _tasks(cfg) -> list[str]:
@@ -195,6 +196,7 @@ def _report(comparison, parent, result_grid, elapsed, sizes, tasks, notes) -> in
     print(summary, flush=True)
     complete = sum(t.outcome == "complete" for t in trials)
     parent.log_report(tables.summary(table), {"hpsearch.trials_complete": str(complete)}, files, plot_dir)
+    comparison.storage.push(comparison.name, "report")
     parent.finish("FAILED" if not complete else "FINISHED")
     return 1 if not complete else 0
 

@@ -29,10 +29,15 @@ class StudyTrial:
     best_score: float
 
 
-def study_dir(storage_path: str | Path, name: str) -> Path:
+def study_dir(storage_path, name: str) -> Path:
+    """The finished study's local folder (from a bucket: its local mirror, refreshed with the study's state, space
+    copy and exports)."""
     from hpsearch.tune.cli import _study_dir
+    from hpsearch.tune.storage import open_storage
 
-    where = _study_dir(str(storage_path), name)
+    storage = open_storage(str(storage_path)) if isinstance(storage_path, (str, Path)) else storage_path
+    where = _study_dir(storage, name)
+    storage.pull(name, STATE_FILE, SPACE_COPY, "trials")
     if not (where / STATE_FILE).is_file():
         root = where.parent
         studies = sorted(p.name for p in root.iterdir() if (p / STATE_FILE).is_file()) if root.is_dir() else []

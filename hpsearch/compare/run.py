@@ -21,6 +21,7 @@ from typing import Any
 from hpsearch.compare.spec import Method, Spec
 from hpsearch.config import RunConfig
 from hpsearch.tracking import TrialRuns
+from hpsearch.tune.storage import Storage, open_storage
 
 STATE_FILE, SPEC_COPY = "hpsearch-compare.json", "spec.yaml"
 LABEL_TAG, SEED_TAG, METHOD_TAG = "hpsearch.label", "hpsearch.seed", "hpsearch.method"
@@ -33,10 +34,18 @@ class Comparison:
     spec: Spec
     _entries: dict[str, Method] = field(default_factory=dict, repr=False)
     system_metrics: dict | None = None  # as Study.system_metrics (run_trial reads it); comparisons do not sample
+    storage: Storage | None = None      # as Study.storage (default: the folder holding `dir`)
+
+    def __post_init__(self):
+        if self.storage is None:
+            self.storage = open_storage(str(self.dir.parent))
 
     @property
-    def storage_path(self) -> Path:
-        return self.dir.parent
+    def storage_path(self) -> str:
+        return self.storage.uri
+
+    def ray_path(self, *parts: str) -> tuple[str, object | None]:
+        return self.storage.ray_path(self.name, *parts)
 
     # the interface of hpsearch.tune.study.Study that run_trial and TrialRuns use
     def entry(self, label: str) -> Method:
@@ -61,6 +70,7 @@ class Comparison:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         (self.dir / SPEC_COPY).write_text(self.spec.text)
+        self.storage.push(self.name, STATE_FILE, SPEC_COPY)
 
 
 # ---- one trial (runs in a Tune actor) -----------------------------------------------------------------------------
@@ -112,7 +122,8 @@ def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     trials = len(spec.entries()) * len(spec.seeds)
     events = TrialEvents(trials, spec.config.train.max_steps, max_concurrent, comparison.outcome)
     # the console: a study's one line per trial event instead of Tune's status table (verbose=0)
-    run_config = ray.tune.RunConfig(name=comparison.name, storage_path=str(comparison.storage_path),
+    storage_path, storage_fs = comparison.storage.ray_path()
+    run_config = ray.tune.RunConfig(name=comparison.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events], verbose=0,
                                     failure_config=ray.tune.FailureConfig(max_failures=spec.budget.max_failures))
     return ray.tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config)
@@ -210,7 +221,8 @@ def _missing(v) -> bool:
 def unfinished(comparison: Comparison) -> int:
     from ray.tune import ExperimentAnalysis
 
-    trials = ExperimentAnalysis(str(comparison.dir)).trials
+    path, filesystem = comparison.ray_path()
+    trials = ExperimentAnalysis(path, storage_filesystem=filesystem).trials
     expected = len(comparison.spec.entries()) * len(comparison.spec.seeds)
     return max(expected, len(trials)) - sum(t.status in ("TERMINATED", "ERROR") for t in trials)
 

@@ -20,8 +20,8 @@ _V11 = dict(feed_forward_proj="gated-gelu", vocab_size=32128, tie_word_embedding
 NAMED_SHAPES: dict[str, dict] = {
     "t5-tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, feed_forward_proj="relu",
                     vocab_size=4096, dropout_rate=0.0),
-    # not a published shape: 9.4 M parameters, small enough to pretrain on a CPU box (python -m hpsearch.pretrain)
-    "t5-mini": dict(d_model=256, d_ff=1024, num_layers=4, num_heads=4, d_kv=64, feed_forward_proj="relu",
+    # not a published shape: 13.1 M parameters, small enough to pretrain on a CPU box (python -m hpsearch.pretrain)
+    "t5-mini": dict(d_model=256, d_ff=1024, num_layers=6, num_heads=4, d_kv=64, feed_forward_proj="relu",
                     vocab_size=8192),
     "t5-small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64, **_V1),
     "t5-base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, **_V1),

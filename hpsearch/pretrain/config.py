@@ -3,7 +3,7 @@
     cfg, corpus = load_pretrain_config("pretrain.yaml", ["train.max_steps=100", "corpus.path=texts/"])
 
 Defaults (`DEFAULTS`): the `t5-mini` shape, plain T5 (model.method=mtl), one Ray Train worker with ZeRO stage 0
-(a 9.4 M-parameter model fits: sharding it would only add traffic), the GLUE training inputs of ../shared/data/glue
+(a 13 M-parameter model fits: sharding it would only add traffic), the GLUE training inputs of ../shared/data/glue
 as the corpus, and a budget that takes about 45 minutes on 2 CPU cores.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ DEFAULTS = {
     "model": {"backbone": "t5-mini", "method": "mtl", "dropout": 0.0},
     "data": {"source": "../shared/data/glue", "task_prefix": True},
     "train": {"num_workers": 1, "cpus_per_worker": 2.0, "zero_stage": 0, "micro_batch_size": 32,
-              "max_steps": 3000, "lr": 3.0e-3, "warmup_steps": 300, "weight_decay": 0.0, "eval_every": 250,
+              "max_steps": 2500, "lr": 2.0e-3, "warmup_steps": 250, "weight_decay": 0.0, "eval_every": 250,
               "log_every": 50, "eval_batch_size": 64, "output_dir": "runs/pretrain"},
 }
 

@@ -114,6 +114,23 @@ def copy_rank_files(src: Path, dst: Path, rank: int) -> None:
             shutil.copy2(f, target)
 
 
+EXPORTS = ("model", "task_params", "config.yaml", "metrics.jsonl")
+
+
+def upload_exports(out_dir: Path, path: str, filesystem) -> None:
+    """Copy a finished run's exports (not its checkpoints) to `path` in a pyarrow filesystem (a bucket)."""
+    from pyarrow import fs
+
+    local = fs.LocalFileSystem()
+    for name in EXPORTS:
+        source = Path(out_dir) / name
+        if source.is_dir():
+            fs.copy_files(str(source), f"{path}/{name}", source_filesystem=local, destination_filesystem=filesystem)
+        elif source.is_file():
+            with source.open("rb") as src, filesystem.open_output_stream(f"{path}/{name}") as out:
+                out.write(src.read())
+
+
 def write_report(directory: Path, metrics: dict) -> None:
     (Path(directory) / REPORT).write_text(json.dumps(metrics) + "\n")
 

@@ -61,11 +61,14 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
 
 
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
-                  system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None):
+                  system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None,
+                  storage_filesystem=None, export_to: tuple | None = None):
     """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
     checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
     `system_metrics`: {tracking_uri, run_id, interval}, sampled by the first rank of each node. `objective`, `options`:
-    what the loop trains on ("module:Class" and its options; default the suite's fine-tuning, see objective.py)."""
+    what the loop trains on ("module:Class" and its options; default the suite's fine-tuning, see objective.py).
+    `storage_filesystem`: a pyarrow filesystem `storage_path` is in (a bucket); `export_to`: (path, filesystem)
+    rank 0 copies the run's exports to when it finishes (a study in a bucket)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -80,12 +83,12 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
         loop,
         train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
                            else None, "system_metrics": system_metrics, "objective": objective,
-                           "options": options},
+                           "options": options, "export_to": export_to},
         torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
-            name=name, storage_path=storage_path, callbacks=list(callbacks),
+            name=name, storage_path=storage_path, storage_filesystem=storage_filesystem, callbacks=list(callbacks),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # quiet the controller's INFO lines
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),

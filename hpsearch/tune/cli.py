@@ -22,7 +22,8 @@ from hpsearch.cli import Parser
 from hpsearch.config import absolute_paths, read_yaml
 from hpsearch.errors import ConfigError, UserError
 from hpsearch.tune.spacefile import load_space
-from hpsearch.tune.study import SPACE_COPY, Study, load_state
+from hpsearch.tune.storage import Storage, open_storage
+from hpsearch.tune.study import SPACE_COPY, STATE_FILE, Study, load_state
 
 DEFAULT_SPACE = Path(__file__).resolve().parents[2] / "search_spaces" / "default.yaml"
 INTERRUPTED = 130
@@ -34,7 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--name", help="study name (default: the space's `name`); also the MLflow experiment")
     p.add_argument("--num-samples", type=int, help="number of trials (the space's budget.trials)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite:///mlflow.db here)")
-    p.add_argument("--storage-path", default="runs/tune", help="where studies keep their state (default: runs/tune)")
+    p.add_argument("--storage-path", default="runs/tune", help="where studies keep their state: a folder or "
+                   "s3://bucket/prefix, gs://... (default: runs/tune)")
     p.add_argument("--optuna-storage", help="SQLAlchemy URL of the Optuna study's database (default: sqlite "
                    "optuna.db beside a sqlite MLflow store, else here)")
     p.add_argument("--system-metrics", nargs="?", type=float, const=10.0, metavar="SECONDS",
@@ -58,9 +60,11 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     space_path = Path(args.space) if args.space else DEFAULT_SPACE
     uri = resolve_tracking_uri(args.tracking_uri) if args.tracking_uri else None
     optuna_url = optuna_store.resolve_url(args.optuna_storage) if args.optuna_storage else None
+    storage = open_storage(args.storage_path)
     if args.resume:
-        name = args.name or _latest_study(args.storage_path, _space_name(space_path))
-        study_dir = _study_dir(args.storage_path, name)
+        name = args.name or _latest_study(storage, _space_name(space_path))
+        study_dir = _study_dir(storage, name)
+        storage.pull(name, STATE_FILE, SPACE_COPY)  # from the bucket, when the study lives in one
         state = load_state(study_dir)
         if args.space and space_path.read_text() != state["space_text"]:
             raise ConfigError(f"--space {args.space}: differs from the space study '{name}' started with; --resume "
@@ -80,10 +84,11 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         uri = uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)
         optuna_url = optuna_url or optuna_store.default_url(uri)
         recorded = optuna_store.recorded_studies(optuna_url)  # nothing created yet
-        name = args.name or _next_free_study(args.storage_path, space.name, recorded)
-        study_dir = _study_dir(args.storage_path, name)
-        if study_dir.exists():
-            raise ConfigError(f"--name {name}: a study of that name already exists in {study_dir}; add --resume to "
+        name = args.name or _next_free_study(storage, space.name, recorded)
+        study_dir = _study_dir(storage, name)
+        if storage.exists(name):
+            where = study_dir if not storage.remote else storage.uri
+            raise ConfigError(f"--name {name}: a study of that name already exists in {where}; add --resume to "
                               "continue it, or choose another --name")
         if name in recorded:  # Optuna would append this study's trials to the old one's
             raise ConfigError(f"--name {name}: the Optuna storage {optuna_url} already holds a study of that name; "
@@ -94,12 +99,12 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     absolute_paths(space.config)
     _check_data(space.config)
     _check_backbone(space.config)
-    _check_storage(study_dir)
+    storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(space, local_resources())
     if state.get("optuna_storage"):  # last: creates the database (its tables) when it is new
         optuna_store.open_storage(state["optuna_storage"])
-    return Study(name, study_dir, space, state.get("optuna_storage")), state
+    return Study(name, study_dir, space, state.get("optuna_storage"), storage=storage), state
 
 
 def _space_name(path: Path) -> str:
@@ -107,17 +112,16 @@ def _space_name(path: Path) -> str:
     return str(data.get("name") or path.stem)
 
 
-def _numbered(storage_path: str, base: str) -> list[tuple[int, str]]:
+def _numbered(storage: str | Storage, base: str) -> list[tuple[int, str]]:
     """Existing studies named `base`, `base-2`, `base-3`, ... as (number, name)."""
-    root = _study_dir(storage_path, base).parent
-    found = [(1, base)] if (root / base).exists() else []
-    if root.is_dir():
-        found += [(int(p.name.rsplit("-", 1)[1]), p.name) for p in root.iterdir()
-                  if re.fullmatch(re.escape(base) + r"-\d+", p.name)]
+    storage = open_storage(storage) if isinstance(storage, str) else storage
+    names = storage.names()
+    found = [(1, base)] if base in names else []
+    found += [(int(n.rsplit("-", 1)[1]), n) for n in names if re.fullmatch(re.escape(base) + r"-\d+", n)]
     return sorted(found)
 
 
-def _next_free_study(storage_path: str, base: str, recorded: set[str] = frozenset()) -> str:
+def _next_free_study(storage_path: str | Storage, base: str, recorded: set[str] = frozenset()) -> str:
     """Without --name, a new study never collides: `default`, then `default-2`, `default-3`, ... (also skipping
     names the Optuna storage already holds)."""
     taken = _numbered(storage_path, base)
@@ -127,16 +131,17 @@ def _next_free_study(storage_path: str, base: str, recorded: set[str] = frozense
     return base if n == 1 else f"{base}-{n}"
 
 
-def _latest_study(storage_path: str, base: str) -> str:
+def _latest_study(storage_path: str | Storage, base: str) -> str:
     """`--resume` without --name continues the newest study of the space's name."""
     taken = _numbered(storage_path, base)
     return taken[-1][1] if taken else base
 
 
-def _study_dir(storage_path: str, name: str) -> Path:
+def _study_dir(storage: str | Storage, name: str) -> Path:
+    """The study's local folder (with a bucket: its local mirror)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
         raise ConfigError(f"--name {name!r}: expected a plain name (letters, digits, '.', '-' and '_')")
-    return Path(storage_path).expanduser().resolve() / name
+    return (open_storage(storage) if isinstance(storage, str) else storage).study_dir(name)
 
 
 def _check_data(cfg) -> None:
@@ -152,17 +157,6 @@ def _check_backbone(cfg) -> None:
     """A local backbone folder must be a checkpoint (a hub id is left to the trials: it downloads)."""
     from hpsearch.model import check_local_backbone
     check_local_backbone(cfg.model.backbone)
-
-
-def _check_storage(study_dir: Path) -> None:
-    """The storage path must be creatable and writable here (a local path; s3:// and gs:// are Ray's)."""
-    root = study_dir.parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--storage-path {root}: cannot create it ({e.strerror})") from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError(f"--storage-path {root}: not writable by this user")
 
 
 def local_resources() -> dict[str, float]:
@@ -220,7 +214,7 @@ def main(argv: list[str]) -> int:
     max_concurrent = concurrency(space, ray.cluster_resources())
     print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
           f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
-    if args.resume and ray.tune.Tuner.can_restore(str(study.dir)):
+    if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
         tuner = restore_tuner(study)  # with the callbacks, searcher and scheduler it saved
     else:
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
@@ -234,7 +228,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # e.g. Tune's own state, a trial's error file or the report could not be written
         from hpsearch.train.checkpoints import disk_full
         parent.finish("FAILED")
-        if disk_full(e) or shutil.disk_usage(study.storage_path).free < 2**20:
+        if disk_full(e) or (not study.storage.remote and shutil.disk_usage(study.dir.parent).free < 2**20):
             raise UserError(f"no space left on device under {study.storage_path}; free space there, then continue "
                             f"with: python -m hpsearch.tune --name {study.name} --storage-path "
                             f"{study.storage_path} --resume") from None
@@ -279,6 +273,7 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     print(text, flush=True)
     metrics, tags = reporting.summary(report)
     parent.log_report(metrics, tags, reporting.files(report, text), report_dir / "plots")
+    study.storage.push(study.name, "report")
     all_failed = report.counts()["failed"] == len(report.rows)
     parent.finish("FAILED" if all_failed else "FINISHED")
     return 1 if all_failed else 0

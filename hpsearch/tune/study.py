@@ -21,6 +21,7 @@ from typing import Any
 from hpsearch.config import RunConfig
 from hpsearch.errors import UserError
 from hpsearch.tune.space import SearchSpace
+from hpsearch.tune.storage import Storage, open_storage
 
 STATE_FILE, SPACE_COPY = "hpsearch-study.json", "space.yaml"
 STATE_KEYS = ("name", "space_text", "overrides", "tracking_uri", "parent_run_id")
@@ -33,15 +34,25 @@ class TrialFailed(RuntimeError):
 @dataclass
 class Study:
     name: str
-    dir: Path                    # <storage>/<name>, absolute
+    dir: Path                    # <storage>/<name>, absolute (with a bucket: its local mirror, see storage.py)
     space: SearchSpace
     optuna_storage: str | None = None  # the Optuna study's database URL (None: in memory, older studies)
     system_metrics: dict | None = None  # {tracking_uri, experiment_id, parent_run_id, interval}: sample each trial's
                                         # nodes into its MLflow run (--system-metrics)
+    storage: Storage | None = None     # where the study lives (default: the folder holding `dir`)
+
+    def __post_init__(self):
+        if self.storage is None:
+            self.storage = open_storage(str(self.dir.parent))
 
     @property
-    def storage_path(self) -> Path:
-        return self.dir.parent
+    def storage_path(self) -> str:
+        """The storage as the user gave it: a local folder or a URI (what --resume takes)."""
+        return self.storage.uri
+
+    def ray_path(self, *parts: str) -> tuple[str, object | None]:
+        """(storage_path, storage_filesystem) for Ray: the study's folder, or a folder of it (`train`)."""
+        return self.storage.ray_path(self.name, *parts)
 
     def trial_config(self, values: dict[str, Any], trial_id: str) -> RunConfig:
         cfg = self.space.trial_config(values)
@@ -59,7 +70,7 @@ class Study:
         shards of its best model, optimizer states included); keep the exports (`trials/<id>/model`,
         `task_params`, config, metrics). Returns (bytes freed, bytes the study folder still holds)."""
         doomed = [p for p in (*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("trials/*/best")) if p.is_dir()]
-        freed = sum(_size(p) for p in doomed)
+        freed = sum(_size(p) for p in doomed) + self.storage.delete(self.name, "train/*/checkpoint_*")
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return freed, _size(self.dir)
@@ -74,6 +85,7 @@ class Study:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(state, indent=2) + "\n")
         (self.dir / SPACE_COPY).write_text(state["space_text"])
+        self.storage.push(self.name, STATE_FILE, SPACE_COPY)
 
 
 def _size(path: Path) -> int:
@@ -116,8 +128,11 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
         sm = study.system_metrics
         run_id = find_trial_run(sm["tracking_uri"], sm["experiment_id"], sm["parent_run_id"], trial_id)
         watch = {"tracking_uri": sm["tracking_uri"], "run_id": run_id, "interval": sm["interval"]} if run_id else None
-    trainer = build_trainer(cfg, name=trial_id, storage_path=str(study.dir / "train"),
-                            callbacks=[TuneReportCallback()], system_metrics=watch)  # rank 0's reports go to Tune
+    storage_path, storage_fs = study.ray_path("train")
+    export_to = study.ray_path("trials", trial_id) if study.storage.remote else None
+    trainer = build_trainer(cfg, name=trial_id, storage_path=storage_path, storage_filesystem=storage_fs,
+                            callbacks=[TuneReportCallback()], system_metrics=watch,  # rank 0's reports go to Tune
+                            export_to=export_to)
     try:
         trainer.fit()
     except Exception as e:  # Ray Train wraps the worker's error with its traceback
@@ -253,7 +268,8 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
                                       time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname)
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
-    run_config = ray.tune.RunConfig(name=study.name, storage_path=str(study.storage_path),
+    storage_path, storage_fs = study.storage.ray_path()
+    run_config = ray.tune.RunConfig(name=study.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
                                     verbose=0)
@@ -262,7 +278,9 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
 
 def restore_tuner(study: Study):
     import ray.tune
-    return ray.tune.Tuner.restore(str(study.dir), trainable(study), resume_unfinished=True, resume_errored=False)
+    path, filesystem = study.ray_path()
+    return ray.tune.Tuner.restore(path, trainable(study), resume_unfinished=True, resume_errored=False,
+                                  storage_filesystem=filesystem)
 
 
 def fit(tuner):
@@ -278,7 +296,8 @@ def unfinished(study: Study) -> int:
     """Trials an interruption left to do (0 when the study ran to its end), from the state Tune saved."""
     from ray.tune import ExperimentAnalysis
 
-    trials = ExperimentAnalysis(str(study.dir)).trials
+    path, filesystem = study.ray_path()
+    trials = ExperimentAnalysis(path, storage_filesystem=filesystem).trials
     done = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
     if study.space.budget.time_budget_s:  # the time budget ends the study: what did not start never will
         return len(trials) - done

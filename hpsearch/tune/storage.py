@@ -1,0 +1,163 @@
+"""Where studies keep their state: a local folder, or a URI (`s3://bucket/prefix`, `gs://...`, `hdfs://...`) opened
+as a pyarrow filesystem, the way Ray opens it.
+
+    storage = open_storage("s3://bucket/studies")     # or "runs/tune"
+    storage.study_dir("default")                       # the local folder hpsearch writes the study's own files in
+    storage.ray_path("default")                        # (storage_path, storage_filesystem) for Ray Tune / Train
+
+With a URI, Ray Tune's experiment state and Ray Train's checkpoints go to the bucket directly (Ray's own storage
+layer, given our filesystem); the study's own files (`hpsearch-study.json`, `space.yaml`, each finished trial's
+exports `trials/<id>/{model,task_params,config.yaml,metrics.jsonl}`, `report/`) are written to a local mirror
+(`~/.cache/hpsearch/storage/<scheme>/<bucket>/<prefix>/<name>`, or under `HPSEARCH_STORAGE_CACHE`) and copied to
+the bucket at once, so `--resume` on another machine starts from the bucket alone. A custom endpoint (MinIO, moto,
+a private S3) is given in the URI (`s3://bucket/prefix?endpoint_override=http://host:port`) or by
+`AWS_ENDPOINT_URL`; credentials come from the usual AWS variables and files.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpsearch.errors import ConfigError
+
+_URI = re.compile(r"[a-z][a-z0-9+.-]*://")
+
+
+def is_uri(text: str) -> bool:
+    return bool(_URI.match(text)) and not text.startswith("file://")
+
+
+@dataclass
+class Storage:
+    uri: str                 # as given (printed in resume commands); a local path made absolute
+    fs: object | None        # pyarrow FileSystem of a URI; None for a local folder
+    root: str                # the path inside `fs` (bucket/prefix), or the local folder
+    local_root: Path         # where hpsearch writes: the folder itself, or the URI's local mirror
+
+    @property
+    def remote(self) -> bool:
+        return self.fs is not None
+
+    def study_dir(self, name: str) -> Path:
+        return self.local_root / name
+
+    def remote_path(self, name: str, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), name, *parts])
+
+    def ray_path(self, name: str | None = None, *parts: str) -> tuple[str, object | None]:
+        """(storage_path, storage_filesystem) for Ray: the bucket path with our filesystem, or the local folder."""
+        if self.remote:
+            return (self.remote_path(name, *parts) if name else self.root), self.fs
+        return str(Path(self.root, *(p for p in (name, *parts) if p))), None
+
+    # ---- what exists ------------------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """The study names under the storage (folders)."""
+        if not self.remote:
+            root = Path(self.root)
+            return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        from pyarrow import fs
+        infos = self.fs.get_file_info(fs.FileSelector(self.root, allow_not_found=True))
+        return sorted(i.base_name for i in infos if i.type == fs.FileType.Directory)
+
+    def exists(self, name: str) -> bool:
+        if not self.remote:
+            return self.study_dir(name).exists()
+        from pyarrow import fs
+        return self.fs.get_file_info(self.remote_path(name)).type != fs.FileType.NotFound
+
+    def check_writable(self) -> None:
+        """One line if the folder cannot be created or written (local), or the bucket is missing or refuses a
+        write (a probe object, removed again)."""
+        if not self.remote:
+            root = Path(self.root)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--storage-path {root}: cannot create it ({e.strerror})") from None
+            if not os.access(root, os.W_OK | os.X_OK):
+                raise ConfigError(f"--storage-path {root}: not writable by this user")
+            return
+        probe = f"{self.root.rstrip('/')}/.hpsearch-write-probe-{os.getpid()}"
+        try:
+            with self.fs.open_output_stream(probe) as out:
+                out.write(b"probe")
+            self.fs.delete_file(probe)
+        except OSError as e:
+            reason = str(e).split(": ", 1)[-1] if "NO_SUCH_BUCKET" not in str(e) else \
+                f"the bucket {self.root.split('/')[0]} does not exist"
+            raise ConfigError(f"--storage-path {self.uri}: cannot write there ({reason.splitlines()[0][:200]})") \
+                from None
+
+    # ---- the study's own files --------------------------------------------------------------------------------
+    def push(self, name: str, *relative: str) -> None:
+        """Copy files or folders of the study's local mirror to the bucket (nothing to do for a local folder)."""
+        if not self.remote:
+            return
+        from pyarrow import fs
+        local = fs.LocalFileSystem()
+        for rel in relative:
+            source = self.study_dir(name) / rel
+            if source.is_dir():
+                fs.copy_files(str(source), self.remote_path(name, rel), source_filesystem=local,
+                              destination_filesystem=self.fs)
+            elif source.is_file():
+                with source.open("rb") as src, self.fs.open_output_stream(self.remote_path(name, rel)) as out:
+                    out.write(src.read())
+
+    def pull(self, name: str, *relative: str) -> None:
+        """Copy files of the study from the bucket to its local mirror (those that exist)."""
+        if not self.remote:
+            return
+        from pyarrow import fs
+        for rel in relative:
+            info = self.fs.get_file_info(self.remote_path(name, rel))
+            target = self.study_dir(name) / rel
+            if info.type == fs.FileType.File:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with self.fs.open_input_stream(info.path) as src:
+                    target.write_bytes(src.read())
+            elif info.type == fs.FileType.Directory:
+                fs.copy_files(info.path, str(target), source_filesystem=self.fs,
+                              destination_filesystem=fs.LocalFileSystem())
+
+    def delete(self, name: str, pattern: str) -> int:
+        """Remove the bucket's folders `<name>/<a>/<b>` matching `a/b` glob `pattern` (e.g. train/*/checkpoint_*);
+        returns the bytes removed."""
+        if not self.remote:
+            return 0
+        import fnmatch
+
+        from pyarrow import fs
+        head, tail = pattern.split("/", 1)
+        freed = 0
+        for info in self.fs.get_file_info(fs.FileSelector(self.remote_path(name, head), allow_not_found=True)):
+            for sub in self.fs.get_file_info(fs.FileSelector(info.path, allow_not_found=True)):
+                if sub.type == fs.FileType.Directory and fnmatch.fnmatch(f"{info.base_name}/{sub.base_name}", tail):
+                    freed += sum(f.size or 0 for f in self.fs.get_file_info(fs.FileSelector(sub.path,
+                                                                                            recursive=True)))
+                    self.fs.delete_dir(sub.path)
+        return freed
+
+
+def open_storage(text: str) -> Storage:
+    """A local folder (made absolute) or a URI opened as a pyarrow filesystem; a URI pyarrow cannot open is a
+    one-line ConfigError."""
+    if not is_uri(text):
+        path = Path(text.removeprefix("file://")).expanduser().resolve()
+        return Storage(str(path), None, str(path), path)
+    from pyarrow import fs
+    try:
+        filesystem, root = fs.FileSystem.from_uri(text)
+    except (ValueError, OSError, TypeError) as e:  # unknown scheme, bad options, no such endpoint
+        raise ConfigError(f"--storage-path {text}: cannot be opened ({str(e).splitlines()[0][:200]}); expected a "
+                          "local folder or s3://bucket/prefix, gs://bucket/prefix (endpoint: "
+                          "?endpoint_override=http://host:port or AWS_ENDPOINT_URL)") from None
+    root = root.rstrip("/")
+    if not root:
+        raise ConfigError(f"--storage-path {text}: expected a bucket (and a prefix), e.g. s3://bucket/studies")
+    scheme = text.split("://", 1)[0]
+    cache = Path(os.environ.get("HPSEARCH_STORAGE_CACHE") or "~/.cache/hpsearch/storage").expanduser()
+    return Storage(text, filesystem, root, cache / scheme / root)

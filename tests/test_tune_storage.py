@@ -1,0 +1,168 @@
+"""Studies on S3: a real S3-protocol server (`moto` in server mode) on 127.0.0.1 holds a study's Tune state, its Ray
+Train checkpoints and its exports; an interrupted study resumes from the bucket alone (a fresh local mirror)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_tune_study import SHORT, wait_for
+
+BUCKET = "hpsearch-studies"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 with one bucket; yields the environment that reaches it."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p",
+                               str(port)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.time() < deadline and server.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.3)
+    import boto3
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket=BUCKET)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def bucket_files(prefix: str) -> set[str]:
+    from pyarrow import fs
+    filesystem, root = fs.FileSystem.from_uri(f"s3://{BUCKET}/{prefix}")
+    infos = filesystem.get_file_info(fs.FileSelector(root, recursive=True, allow_not_found=True))
+    return {i.path.removeprefix(f"{root}/") for i in infos if i.type == fs.FileType.File}
+
+
+def test_storage_on_a_bucket_lists_copies_and_deletes(s3, tmp_path, monkeypatch):
+    from hpsearch.errors import ConfigError
+    from hpsearch.tune.storage import open_storage
+
+    monkeypatch.setenv("HPSEARCH_STORAGE_CACHE", str(tmp_path / "mirror"))
+    storage = open_storage(f"s3://{BUCKET}/unit")
+    assert storage.remote and storage.root == f"{BUCKET}/unit" and storage.names() == []
+    storage.check_writable()
+    assert bucket_files("unit") == set()  # the probe object is gone again
+    local = storage.study_dir("s1")
+    assert local == tmp_path / "mirror" / "s3" / BUCKET / "unit" / "s1"
+    (local / "trials" / "t1" / "model").mkdir(parents=True)
+    (local / "trials" / "t1" / "model" / "w.bin").write_bytes(b"\0" * 10)
+    (local / "state.json").write_text("{}")
+    storage.push("s1", "state.json", "trials")
+    assert bucket_files("unit") == {"s1/state.json", "s1/trials/t1/model/w.bin"}
+    assert storage.names() == ["s1"] and storage.exists("s1") and not storage.exists("s2")
+    other = open_storage(f"s3://{BUCKET}/unit")
+    other.local_root = tmp_path / "elsewhere"
+    other.pull("s1", "state.json", "trials", "missing.txt")
+    assert (tmp_path / "elsewhere" / "s1" / "state.json").read_text() == "{}"
+    assert (tmp_path / "elsewhere" / "s1" / "trials" / "t1" / "model" / "w.bin").stat().st_size == 10
+    (local / "train" / "t1").mkdir(parents=True)
+    from pyarrow import fs
+    with storage.fs.open_output_stream(f"{BUCKET}/unit/s1/train/t1/checkpoint_000/shard.pt") as out:
+        out.write(b"\0" * 7)
+    assert storage.delete("s1", "train/*/checkpoint_*") == 7
+    assert bucket_files("unit/s1/train") == set()
+    assert storage.ray_path("s1", "train") == (f"{BUCKET}/unit/s1/train", storage.fs)
+    assert isinstance(storage.fs, fs.S3FileSystem)
+    with pytest.raises(ConfigError, match="the bucket no-such-bucket does not exist"):
+        open_storage("s3://no-such-bucket/studies").check_writable()
+    with pytest.raises(ConfigError, match="expected a bucket"):
+        open_storage("s3://")
+
+
+def tune(tmp_path, *args, mirror: str):
+    env = {**os.environ, "HPSEARCH_STORAGE_CACHE": str(tmp_path / mirror), "PYTHONWARNINGS": "ignore"}
+    return [sys.executable, "-m", "hpsearch.tune", "--name", "s3study", "--storage-path", f"s3://{BUCKET}/studies",
+            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", *args], env
+
+
+@pytest.mark.slow
+def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path):
+    from tests.test_tune_study import finished_children, study_runs
+
+    cmd, env = tune(tmp_path, "--num-samples", "3", *SHORT, mirror="mirror-a")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        started = wait_for(lambda: len(finished_children(tmp_path, "s3study")) >= 1
+                           and len(study_runs(tmp_path, "s3study")[2]) >= 2, 600, proc)
+        assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert f"--storage-path s3://{BUCKET}/studies --resume" in err
+    stored = bucket_files("studies/s3study")
+    assert {"hpsearch-study.json", "space.yaml"} <= stored
+    assert any(f.startswith("experiment_state") for f in stored)          # Tune's state is in the bucket
+    assert any(f.startswith("train/") and "/checkpoint_" in f for f in stored)  # and Ray Train's checkpoints
+    _, _, before = study_runs(tmp_path, "s3study")
+    done_before = {c.data.tags["hpsearch.trial_id"] for c in before if c.info.status == "FINISHED"}
+
+    # another machine: nothing local but the MLflow store; the study comes back from the bucket
+    cmd, env = tune(tmp_path, "--resume", mirror="mirror-b")
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client, parents, children = study_runs(tmp_path, "s3study")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
+    stored = bucket_files("studies/s3study")
+    complete = [c.data.tags["hpsearch.trial_id"] for c in children
+                if c.data.tags.get("hpsearch.outcome") == "complete"]
+    assert complete and set(complete) >= done_before & set(complete)
+    for trial in complete:  # every finished trial's exports are in the bucket
+        assert {f"trials/{trial}/model/model.safetensors", f"trials/{trial}/task_params/task_params.safetensors",
+                f"trials/{trial}/config.yaml", f"trials/{trial}/metrics.jsonl"} <= stored, sorted(stored)
+    assert any(f.startswith("report/") for f in stored)
+    assert not any("/checkpoint_" in f for f in stored)  # pruned at the end: only a resume needed them
+    # an export read back from the bucket loads
+    from pyarrow import fs
+
+    from hpsearch.model import build_model
+    filesystem, root = fs.FileSystem.from_uri(f"s3://{BUCKET}/studies/s3study/trials/{complete[0]}/model")
+    fs.copy_files(root, str(tmp_path / "model"), source_filesystem=filesystem,
+                  destination_filesystem=fs.LocalFileSystem())
+    assert build_model(str(tmp_path / "model")).extra_parameters()["total"] > 0
+
+
+def test_a_missing_bucket_is_one_line_before_anything_starts(s3, tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--storage-path", "s3://no-such-bucket/studies",
+                           "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env=env)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and err.splitlines() == [err] and "Traceback" not in err, err
+    assert "--storage-path s3://no-such-bucket/studies: cannot write there (the bucket no-such-bucket does not " \
+           "exist)" in err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "optuna.db").exists()
