@@ -258,7 +258,7 @@ def test_gradients_reach_every_generator_parameter(variant, bias, batch):
 def test_sep_hypernetworks_get_gradient_only_from_their_tasks_rows(batch):
     model = hp(variant="sep").train()
     model(**{**batch, "task_ids": torch.tensor([0, 2, 2, 0])}).loss.backward()
-    grad = model.local_hypernets["encoder_0"].down_k.weight.grad        # [tasks, d, b]
+    grad = model.local_hypernets["encoder"].down.grad[0, 0]             # keys of block 0: [tasks, d, b]
     assert grad[0].abs().sum() > 0 and grad[2].abs().sum() > 0
     assert grad[1].abs().sum() == 0                                     # task 1 is absent from the batch
     assert model.global_prompts["encoder"].weight.grad[1].abs().sum() == 0
@@ -405,10 +405,10 @@ def hand_hyper_prompts(model):
                     cU = w[d * b + b * di + b:] if bias else 0
                     nets.append((D, cD, U, cU))
             else:
-                h = model.local_hypernets[f"{side}_{i}"]
+                h = model.local_hypernets[side]  # weights [keys/values, block, copy, d_in, d_out]
                 j = 0 if cfg.variant == "share" else task
-                nets = [(down.weight[j], down.bias[j, 0] if bias else 0, up.weight[j], up.bias[j, 0] if bias else 0)
-                        for down, up in ((h.down_k, h.up_k), (h.down_v, h.up_v))]
+                nets = [(h.down[kv, i, j], h.down_bias[kv, i, j, 0] if bias else 0, h.up[kv, i, j],
+                         h.up_bias[kv, i, j, 0] if bias else 0) for kv in (0, 1)]
             k, v = (relu(P @ D + cD) @ U + cU for D, cD, U, cU in nets)
             keys.append(k.view(-1, heads, dkv).transpose(0, 1))
             values.append(v.view(-1, heads, dkv).transpose(0, 1))

@@ -239,8 +239,8 @@ def test_prefetch_hands_out_the_same_batches_and_the_state_before_the_pending_on
     sampler, make = stream()
     batches = Prefetch(make, sampler.state_dict)
     try:
-        for k in range(6):
-            expected_state = plain_sampler.state_dict()  # after the k batches handed out so far
+        for _ in range(6):
+            expected_state = plain_sampler.state_dict()  # after the batches handed out so far
             assert batches.state() == expected_state
             assert torch.equal(batches.next()["rows"], plain()["rows"])
             assert batches.state() == plain_sampler.state_dict() != sampler.state_dict()  # one batch is ahead

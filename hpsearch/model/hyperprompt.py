@@ -6,6 +6,7 @@ with P_tau in R^{l x d} the task's global prompt (one per prompted side), D: d -
 
 - share:  one pair of local hypernetworks (h_k, h_v) per block, shared by all tasks.
 - sep:    one pair per block *and task*.
+          (Share and Sep keep every block's pair of one side in stacked tensors, computed in two batched products.)
 - global: k_tau (t') and z_m (t') -> projection net (2t' -> e -> t) -> I_tau^m (t) -> global hypernetworks
           H_k, H_v (linear in I) emit the D and U matrices of the local hypernetworks.
 
@@ -31,35 +32,30 @@ from hpsearch.model.attention import SIDES
 from hpsearch.model.base import Formula, MultiTaskT5, TaskContext, count_trainable
 
 
-class TaskLinear(nn.Module):
-    """`copies` independent linear maps applied per task: x [T, n, d_in] -> [T, n, d_out].
-
-    copies=1 shares one map across all tasks (HyperPrompt-Share), copies=T gives each task its own (Sep).
-    """
-
-    def __init__(self, copies: int, d_in: int, d_out: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(copies, d_in, d_out))
-        self.bias = nn.Parameter(torch.zeros(copies, 1, d_out)) if bias else None
-        nn.init.uniform_(self.weight, -d_in ** -0.5, d_in ** -0.5)  # nn.Linear's default range
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
-
-
 class LocalHypernets(nn.Module):
-    """h_k and h_v of one block: up(ReLU(down(P))), d -> b -> d_inner, for keys and values."""
+    """h_k and h_v of every prompted block of one side, up(ReLU(down(P))), d -> b -> d_inner, stacked: weights
+    [2 (keys, values), blocks, copies, d_in, d_out], so one side's generators are two batched products, not four
+    small ones per block. copies=1 shares each block's pair across tasks (HyperPrompt-Share), copies=T gives every
+    task its own (Sep)."""
 
-    def __init__(self, copies: int, d_model: int, bottleneck: int, d_inner: int, bias: bool):
+    def __init__(self, blocks: int, copies: int, d_model: int, bottleneck: int, d_inner: int, bias: bool):
         super().__init__()
-        self.down_k = TaskLinear(copies, d_model, bottleneck, bias)
-        self.up_k = TaskLinear(copies, bottleneck, d_inner, bias)
-        self.down_v = TaskLinear(copies, d_model, bottleneck, bias)
-        self.up_v = TaskLinear(copies, bottleneck, d_inner, bias)
+        self.down = nn.Parameter(torch.empty(2, blocks, copies, d_model, bottleneck))
+        self.up = nn.Parameter(torch.empty(2, blocks, copies, bottleneck, d_inner))
+        self.down_bias = nn.Parameter(torch.zeros(2, blocks, copies, 1, bottleneck)) if bias else None
+        self.up_bias = nn.Parameter(torch.zeros(2, blocks, copies, 1, d_inner)) if bias else None
+        for w in (self.down, self.up):  # nn.Linear's default range
+            nn.init.uniform_(w, -w.shape[-2] ** -0.5, w.shape[-2] ** -0.5)
 
     def forward(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.up_k(F.relu(self.down_k(prompts))), self.up_v(F.relu(self.down_v(prompts)))
+        """prompts [T, l, d] -> (keys, values), each [blocks, T, l, d_inner]."""
+        h = torch.matmul(prompts, self.down)                   # [2, blocks, T, l, b] (copies broadcast to T)
+        if self.down_bias is not None:
+            h = h + self.down_bias
+        y = torch.matmul(F.relu(h), self.up)                   # [2, blocks, T, l, d_inner]
+        if self.up_bias is not None:
+            y = y + self.up_bias
+        return y[0], y[1]
 
 
 class GlobalHypernets(nn.Module):
@@ -131,9 +127,9 @@ class HyperPromptT5(MultiTaskT5):
                                                     cfg.hypernet_bias)
         else:
             copies = 1 if cfg.variant == "share" else n_tasks
-            self.local_hypernets = nn.ModuleDict({
-                f"{side}_{i}": LocalHypernets(copies, d, cfg.bottleneck, d_inner, cfg.hypernet_bias)
-                for side, i in self.layer_keys})
+            self.local_hypernets = nn.ModuleDict({  # per prompted side, every block's generators stacked
+                side: LocalHypernets(sum(s == side for s, _ in self.layer_keys), copies, d, cfg.bottleneck, d_inner,
+                                     cfg.hypernet_bias) for side in cfg.prompted_sides()})
 
     def generate_task_tensors(self, device=None) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
         """Run the generators for every task: {(side, layer): (keys, values)}, each [T, heads, l, d_kv]."""
@@ -142,12 +138,14 @@ class HyperPromptT5(MultiTaskT5):
         ids = torch.arange(n_tasks, device=device)
         side_prompts = {side: emb(ids).view(n_tasks, self.cfg.side_prompt_length(side), self.d_model)
                         for side, emb in self.global_prompts.items()}
-        layer_prompts = [side_prompts[side] for side, _ in self.layer_keys]
         if self.cfg.variant == "global":  # layer_keys: every block of one side, then of the next
             pairs = self.global_hypernets([(p, sum(s == side for s, _ in self.layer_keys))
                                            for side, p in side_prompts.items()])
         else:
-            pairs = [self.local_hypernets[f"{side}_{i}"](p) for (side, i), p in zip(self.layer_keys, layer_prompts)]
+            pairs = []
+            for side, p in side_prompts.items():
+                keys, values = self.local_hypernets[side](p)
+                pairs += zip(keys.unbind(0), values.unbind(0))
         return {key: tuple(self._heads(x) for x in pair) for key, pair in zip(self.layer_keys, pairs)}
 
     def attention_prompts(self, ctx: TaskContext) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
