@@ -434,3 +434,24 @@ def test_generated_prompts_equal_the_papers_equations(variant, bias, placement, 
         assert (table[key][1] - v).abs().max() <= 1e-5, key
         assert (rows[key][0] - k[batch["task_ids"]]).abs().max() <= 1e-5
         assert (k - v).abs().max() > 1e-3  # keys and values come from different networks
+
+
+def test_the_attention_bias_is_built_once_per_stack_and_call(batch, monkeypatch):
+    """T5 hands every layer of a stack the same mask and position bias: the first prompted layer builds
+    [0 | position_bias] + [0 | mask] and the others reuse it (the outputs are covered by the stock-T5 and
+    cached-generation tests)."""
+    from hpsearch.model import attention
+
+    built = []
+    real = attention._bias
+    monkeypatch.setattr(attention, "_bias", lambda module, *a: built.append(module.is_decoder) or real(module, *a))
+    model = hp(variant="global").eval()
+    layers = model.t5.config.num_layers
+    assert layers > 1
+    with torch.no_grad():
+        model(**batch)
+    assert sorted(built) == [False, True, True]  # once per stack (encoder, decoder, cross-attention), not per layer
+    built.clear()
+    with torch.no_grad():
+        model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"], max_new_tokens=3)
+    assert built.count(False) == 1 and built.count(True) <= 2 * 3  # the encoder once; decoder and cross once a step

@@ -49,13 +49,39 @@ def expand_rows(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.repeat_interleave(batch // t.shape[0], dim=0)
 
 
+def _bias(module, attention_mask, position_bias, q_len: int, k_len: int, n_prompt: int, batch: int, dtype, device):
+    """[0 | position_bias] + [0 | mask], expanded to the batch."""
+    bias = _additive_mask(module, attention_mask, q_len, k_len, dtype, device)
+    if position_bias is not None:
+        bias = bias + position_bias[..., -q_len:, :k_len]
+    if n_prompt:
+        bias = F.pad(bias, (n_prompt, 0), value=0.0)  # prompt columns: no position bias, never masked
+    return bias.expand(batch, -1, q_len, -1)
+
+
+def _stack_bias(module, attention_mask, position_bias, q_len, k_len, n_prompt, batch, dtype, device):
+    """The bias, built once per stack and call: every layer of a stack gets the same mask and position-bias tensors
+    (T5 computes the bias in its first layer and hands it on), so a layer reuses the bias the previous one built
+    when the inputs are the very same objects (held by the cache, so their identity cannot be reused)."""
+    cache = getattr(module, "hp_bias_cache", None)
+    if cache is None:
+        return _bias(module, attention_mask, position_bias, q_len, k_len, n_prompt, batch, dtype, device)
+    slot = module.hp_bias_slot
+    inputs = (attention_mask, position_bias, q_len, k_len, n_prompt, batch, dtype,
+              bool(getattr(module, "is_causal", False)))
+    hit = cache.get(slot)
+    if hit is not None and len(hit[0]) == len(inputs) and all(
+            a is b if isinstance(a, torch.Tensor) or a is None else a == b for a, b in zip(hit[0], inputs)):
+        return hit[1]
+    bias = _bias(module, attention_mask, position_bias, q_len, k_len, n_prompt, batch, dtype, device)
+    cache[slot] = (inputs, bias)  # one slot per stack: cached decoding's new tensors each step replace it
+    return bias
+
+
 def prompted_attention(module, query, key, value, attention_mask, scaling=1.0, dropout=0.0,
                        position_bias=None, **kwargs):
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
-    bias = _additive_mask(module, attention_mask, q_len, k_len, query.dtype, query.device)
-    if position_bias is not None:
-        bias = bias + position_bias[..., -q_len:, :k_len]
     prompt = getattr(module, "hp_prompt", None)
     n_prompt = 0
     if prompt is not None and prompt[0].shape[2] > 0:
@@ -63,8 +89,8 @@ def prompted_attention(module, query, key, value, attention_mask, scaling=1.0, d
         n_prompt = pk.shape[2]
         key = torch.cat([pk, key], dim=2)
         value = torch.cat([pv, value], dim=2)
-        bias = F.pad(bias, (n_prompt, 0), value=0.0)  # prompt columns: no position bias, never masked
-    bias = bias.expand(batch, -1, q_len, -1)
+    bias = _stack_bias(module, attention_mask, position_bias, q_len, k_len, n_prompt, batch, query.dtype,
+                       query.device)
     recorder = getattr(module, "hp_recorder", None)
     if recorder is not None:  # attention statistics: explicit probabilities (eager path)
         probs = torch.softmax(query @ key.transpose(-1, -2) * scaling + bias, dim=-1)
@@ -94,12 +120,18 @@ def use_prompted_attention(t5) -> None:
 def attach(t5, prompts: dict | None = None, recorders: dict | None = None):
     """Attach per-layer prompts (and statistic recorders) to the self-attention modules for one call."""
     modules = self_attention_modules(t5)
+    cross = [block.layer[1].EncDecAttention for block in t5.decoder.block]
+    cache: dict = {}  # the attention bias of each stack, shared by its layers for this call (see _stack_bias)
     try:
         for key, module in modules.items():
             module.hp_prompt = (prompts or {}).get(key)
             module.hp_recorder = (recorders or {}).get(key)
+            module.hp_bias_cache, module.hp_bias_slot = cache, key[0]
+        for module in cross:
+            module.hp_bias_cache, module.hp_bias_slot = cache, "cross"
         yield
     finally:
-        for module in modules.values():
+        for module in (*modules.values(), *cross):
             module.hp_prompt = None
             module.hp_recorder = None
+            module.hp_bias_cache = None
