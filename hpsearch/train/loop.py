@@ -95,6 +95,7 @@ def _train(loop_config: dict, session) -> dict:
     cfg = load_config(base=loop_config["run"])
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_flush_denormal(True)  # subnormal floats (tiny optimizer moments, late in training) are slow on CPU
     import deepspeed
 
     rank, world = session.rank, session.world_size
