@@ -120,8 +120,7 @@ class Storage:
                 with self.fs.open_input_stream(info.path) as src:
                     target.write_bytes(src.read())
             elif info.type == fs.FileType.Directory:
-                fs.copy_files(info.path, str(target), source_filesystem=self.fs,
-                              destination_filesystem=fs.LocalFileSystem())
+                download_dir(self.fs, info.path, target)
 
     def delete(self, name: str, pattern: str) -> int:
         """Remove the bucket's folders `<name>/<a>/<b>` matching `a/b` glob `pattern` (e.g. train/*/checkpoint_*);
@@ -140,6 +139,20 @@ class Storage:
                                                                                             recursive=True)))
                     self.fs.delete_dir(sub.path)
         return freed
+
+
+def download_dir(filesystem, path: str, target: Path) -> None:
+    """Copy a folder of a pyarrow filesystem to a local folder (pyarrow's copy_files does not create local
+    folders)."""
+    from pyarrow import fs
+
+    for info in filesystem.get_file_info(fs.FileSelector(path, recursive=True)):
+        if info.type != fs.FileType.File:
+            continue
+        local = Path(target, info.path[len(path.rstrip("/")) + 1:])
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with filesystem.open_input_stream(info.path) as src:
+            local.write_bytes(src.read())
 
 
 def open_storage(text: str) -> Storage:
