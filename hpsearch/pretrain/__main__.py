@@ -128,7 +128,6 @@ def _plot(out_dir: Path) -> Path | None:
     ax.plot(steps, [r["heldout_loss"] for r in rows], marker="s", label="held-out loss")
     ax.set_xlabel("step")
     ax.set_ylabel("span-corruption loss (nats / target token)")
-    ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
