@@ -75,6 +75,23 @@ def test_noise_masks_have_t5s_counts_and_mean_span_length():
             if length == 127:
                 lengths += runs
     assert np.mean(lengths) == pytest.approx(19 / 6)  # the mean span length the counts fix
+
+
+def test_span_lengths_are_a_uniformly_random_split():
+    """T5 splits the 19 noise tokens of a 127-token piece into 6 non-empty runs uniformly over all compositions:
+    the first run has length k with probability C(19 - k - 1, 4) / C(18, 5). A chi-square test against that law
+    over 3,000 masks (a biased split, e.g. equal runs or cuts drawn with replacement, fails it)."""
+    from math import comb
+
+    from scipy.stats import chisquare
+
+    first = [_runs(noise_mask(127, 0.15, 3.0, np.random.default_rng([5, s])))[0] for s in range(3000)]
+    expected = np.array([comb(19 - k - 1, 4) / comb(18, 5) for k in range(1, 15)])
+    assert expected.sum() == pytest.approx(1.0)
+    bins = [1, 2, 3, 4, 5, 6]  # and 7+ together
+    observed = [first.count(k) for k in bins] + [sum(k >= 7 for k in first)]
+    probs = list(expected[:6]) + [expected[6:].sum()]
+    assert chisquare(observed, np.array(probs) * len(first)).pvalue > 1e-3
     assert len({tuple(noise_mask(127, 0.15, 3.0, np.random.default_rng(s))) for s in range(30)}) == 30  # random
 
 

@@ -37,7 +37,8 @@ def study_dir(storage_path, name: str) -> Path:
 
     storage = open_storage(str(storage_path)) if isinstance(storage_path, (str, Path)) else storage_path
     where = _study_dir(storage, name)
-    storage.pull(name, STATE_FILE, SPACE_COPY, "trials")
+    storage.pull(name, STATE_FILE, SPACE_COPY)
+    storage.pull_each(name, "trials", "config.yaml", "metrics.jsonl", "FAILED")  # what finished_trials reads
     if not (where / STATE_FILE).is_file():
         root = where.parent
         studies = sorted(p.name for p in root.iterdir() if (p / STATE_FILE).is_file()) if root.is_dir() else []

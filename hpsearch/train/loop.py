@@ -146,72 +146,74 @@ def _train(loop_config: dict, session) -> dict:
     objective.start(engine, device)
     t_start, loss_n, log_n, t_last = time.perf_counter(), 0, 0, time.perf_counter()
     window = Window(device)
-    batches = Prefetch(objective.batch, sampler.state_dict, pin=device.type == "cuda")  # the next batch meanwhile
+    batches = Prefetch(objective.batch, sampler.state_dict, device)  # the next batch, made meanwhile
     copy = lambda v: v.to(device, non_blocking=True)
     lr_used = cfg.train.lr
     steps_at_start = step
     final: dict = {}
-    while step < cfg.train.max_steps:
-        engine.train()
-        for _ in range(cfg.train.grad_accum):
-            batch = {k: copy(v) for k, v in batches.next().items()}
-            out = engine(**batch)
-            loss = out.loss
-            if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
-                loss = loss * float("nan")
-            engine.backward(loss)
-            lr_used = engine.get_lr()[0]  # the learning rate this update uses
-            engine.step()
-            window.add(step + 1, loss, batch["attention_mask"].sum() + (batch["labels"] != -100).sum(),
-                       getattr(out, "aux_losses", {}), cfg.train.grad_accum)
-        step += 1
-        if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
-            time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
-            os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
-        loss_n, log_n = loss_n + 1, log_n + 1
-        evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
-        logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
-        if not (evaluating or logging_):
-            continue
-        sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
-        if sums["bad_ranks"]:
-            at = f"at step {int(window.first_bad)}" if window.first_bad > 0 else f"on another rank by step {step}"
-            raise NonFiniteLoss(f"non-finite loss {at}: stopping the run (lower train.lr or raise "
-                                f"train.warmup_steps)")
-        if logging_:
-            elapsed = time.perf_counter() - t_start
-            rate = (step - steps_at_start) / elapsed
-            _rank0_print(rank, f"step {step}/{cfg.train.max_steps} loss {sums['log_loss'] / (log_n * world):.4f} "
-                               f"{rate:.2f} steps/s ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
-            window.log_loss, log_n = window.zero(), 0
-        if evaluating:
-            now = time.perf_counter()
-            metrics = {"step": step, "loss": sums["eval_loss"] / (loss_n * world), "lr": lr_used,
-                       "step_time": (now - t_last) / loss_n, "tokens_per_s": sums["tokens"] / (now - t_last),
-                       "extra_params": extra_params,
-                       **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
-            metrics.update(objective.evaluate())
-            if metrics["score"] > best["score"]:
-                best = {"score": metrics["score"], "step": step}
-                engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
-            metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
-            final = metrics
-            with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
-                engine.save_checkpoint(ckpt, tag="state", client_state={
-                    "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})
-                checkpoints.copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel
-                if step == cfg.train.max_steps:
-                    final = {**metrics, **finish(engine, objective, cfg, rank, best, device)}
-                if rank == 0:
-                    with open(out_dir / "metrics.jsonl", "a") as f:
-                        f.write(json.dumps(final) + "\n")
-                    checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
-                    if final.get("final") and loop_config.get("export_to"):  # a study in a bucket: exports go there
-                        checkpoints.upload_exports(out_dir, *loop_config["export_to"])
-                session.report(final, ckpt)
-            loss_n, t_last = 0, time.perf_counter()
-            window.eval_loss, window.tokens, window.aux = window.zero(), window.zero(), {}
-    batches.close()
+    try:
+        while step < cfg.train.max_steps:
+            engine.train()
+            for _ in range(cfg.train.grad_accum):
+                batch = {k: copy(v) for k, v in batches.next().items()}
+                out = engine(**batch)
+                loss = out.loss
+                if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
+                    loss = loss * float("nan")
+                engine.backward(loss)
+                lr_used = engine.get_lr()[0]  # the learning rate this update uses
+                engine.step()
+                window.add(step + 1, loss, batch["attention_mask"].sum() + (batch["labels"] != -100).sum(),
+                           getattr(out, "aux_losses", {}), cfg.train.grad_accum)
+            step += 1
+            if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
+                time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
+                os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
+            loss_n, log_n = loss_n + 1, log_n + 1
+            evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
+            logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
+            if not (evaluating or logging_):
+                continue
+            sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
+            if sums["bad_ranks"]:
+                at = f"at step {int(window.first_bad)}" if window.first_bad > 0 else f"on another rank by step {step}"
+                raise NonFiniteLoss(f"non-finite loss {at}: stopping the run (lower train.lr or raise "
+                                    f"train.warmup_steps)")
+            if logging_:
+                elapsed = time.perf_counter() - t_start
+                rate = (step - steps_at_start) / elapsed
+                _rank0_print(rank, f"step {step}/{cfg.train.max_steps} loss {sums['log_loss'] / (log_n * world):.4f} "
+                                   f"{rate:.2f} steps/s ETA {(cfg.train.max_steps - step) / max(rate, 1e-9):.0f}s")
+                window.log_loss, log_n = window.zero(), 0
+            if evaluating:
+                now = time.perf_counter()
+                metrics = {"step": step, "loss": sums["eval_loss"] / (loss_n * world), "lr": lr_used,
+                           "step_time": (now - t_last) / loss_n, "tokens_per_s": sums["tokens"] / (now - t_last),
+                           "extra_params": extra_params,
+                           **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
+                metrics.update(objective.evaluate())
+                if metrics["score"] > best["score"]:
+                    best = {"score": metrics["score"], "step": step}
+                    engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
+                metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
+                final = metrics
+                with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
+                    engine.save_checkpoint(ckpt, tag="state", client_state={
+                        "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})
+                    checkpoints.copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel
+                    if step == cfg.train.max_steps:
+                        final = {**metrics, **finish(engine, objective, cfg, rank, best, device)}
+                    if rank == 0:
+                        with open(out_dir / "metrics.jsonl", "a") as f:
+                            f.write(json.dumps(final) + "\n")
+                        checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
+                        if final.get("final") and loop_config.get("export_to"):  # a study in a bucket: exports go there
+                            checkpoints.upload_exports(out_dir, *loop_config["export_to"])
+                    session.report(final, ckpt)
+                loss_n, t_last = 0, time.perf_counter()
+                window.eval_loss, window.tokens, window.aux = window.zero(), window.zero(), {}
+    finally:  # also on an error: no thread left making batches
+        batches.close()
     return final
 
 

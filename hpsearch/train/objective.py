@@ -63,6 +63,8 @@ class FineTuning:
         from hpsearch.train.evaluate import Evaluator
 
         self.tokens = TokenizedSuite(self.suite, self.tokenizer, self.cfg.data)  # every row tokenized once
+        for task in self.suite.tasks:  # the training rows now: the prefetch thread then only reads stored ids, and
+            self.tokens.ids(task, "train")  # the tokenizer (not thread-safe) stays with evaluation on this thread
         self.evaluator = Evaluator(engine, self.suite, self.tokens, self.cfg, self.rank, self.world, device)
 
     def batch(self) -> dict:

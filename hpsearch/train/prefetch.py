@@ -1,6 +1,6 @@
 """The next training batch, made on the host while the current step runs (one batch ahead, one thread).
 
-    batches = Prefetch(objective.batch, sampler.state_dict, pin=device.type == "cuda")
+    batches = Prefetch(objective.batch, sampler.state_dict, device)
     batch = batches.next()          # host tensors (pinned on GPU); the one after it is already being made
     batches.state()                 # the sampler's state after the batches handed out (for a checkpoint)
 
@@ -15,9 +15,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 
 class Prefetch:
-    def __init__(self, make: Callable[[], dict], state: Callable[[], dict], pin: bool = False):
-        self._make, self._state, self._pin = make, state, pin
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpsearch-prefetch")
+    def __init__(self, make: Callable[[], dict], state: Callable[[], dict], device=None):
+        import torch
+
+        self._make, self._state = make, state
+        self._pin = device is not None and torch.device(device).type == "cuda"
+        # the thread's CUDA device is its own: pin for this rank's GPU, not cuda:0 (as torch's DataLoader does)
+        init = (lambda: torch.cuda.set_device(device)) if self._pin else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpsearch-prefetch", initializer=init)
         self._pending: Future | None = None
 
     def _produce(self) -> tuple[dict, dict]:

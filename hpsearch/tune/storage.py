@@ -122,6 +122,16 @@ class Storage:
             elif info.type == fs.FileType.Directory:
                 download_dir(self.fs, info.path, target)
 
+    def pull_each(self, name: str, folder: str, *files: str) -> None:
+        """Copy `files` of every sub-folder of the study's `folder` (e.g. each trial's config.yaml) from the bucket
+        to the mirror, not the sub-folders' other contents (their models)."""
+        if not self.remote:
+            return
+        from pyarrow import fs
+        for info in self.fs.get_file_info(fs.FileSelector(self.remote_path(name, folder), allow_not_found=True)):
+            if info.type == fs.FileType.Directory:
+                self.pull(name, *(f"{folder}/{info.base_name}/{file}" for file in files))
+
     def delete(self, name: str, pattern: str) -> int:
         """Remove the bucket's folders `<name>/<a>/<b>` matching `a/b` glob `pattern` (e.g. train/*/checkpoint_*);
         returns the bytes removed."""
