@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.test_tune_study import SHORT, wait_for
+from test_tune_study import SHORT, finished_children, study_runs, wait_for
 
 BUCKET = "hpsearch-studies"
 
@@ -113,8 +112,6 @@ def tune(tmp_path, *args, mirror: str):
 
 @pytest.mark.slow
 def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path):
-    from tests.test_tune_study import finished_children, study_runs
-
     cmd, env = tune(tmp_path, "--num-samples", "3", *SHORT, mirror="mirror-a")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
