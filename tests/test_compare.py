@@ -92,13 +92,16 @@ def test_paired_difference_on_the_seeds_both_have():
 # ---- the spec -----------------------------------------------------------------------------------------------------
 def test_shipped_specs_load():
     spec = load_spec(SPACES / "compare-synthetic.yaml")
-    # the paper's table: HyperPrompt and its baselines (the wider design space is searched in methods.yaml)
-    assert {m.method for m in spec.methods} == {"mtl", "hyperprompt", "prompt_tuning", "adapter", "hyperformer"}
+    # the paper's table: HyperPrompt, its baselines and the wider design space: every method of the library
+    from hpsearch.model.config import METHODS
+    assert {m.method for m in spec.methods} == set(METHODS) and len(spec.methods) == 10
+    assert spec.config.data.batching == "mixed"  # PHA's instance loss needs other tasks' rows
     assert spec.seeds == [0, 1, 2] and spec.config.train.num_workers == 1
     assert spec.references == ["mtl", "hyperprompt-global"] and spec.config.data.source == "synthetic"
     if (ROOT / "../shared/data/glue").is_dir():
         glue = load_spec(SPACES / "compare-glue-local.yaml")
         assert glue.sweep and glue.sweep.field == "model.prompt_length_encoder"
+        assert glue.config.model.backbone == "runs/pretrain/backbone"  # python -m hpsearch.pretrain makes it
         assert [m.sweep_value for m in glue.sweep_entries()] == [4, 32]  # 16 is hyperprompt-global itself
 
 
