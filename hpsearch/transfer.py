@@ -64,13 +64,15 @@ def grow(trained, grown, source: int | None) -> None:
             if target.shape == value.shape:
                 target.copy_(value)
                 continue
-            r = value.shape[0] // T if value.dim() else 0
-            if not (r and value.shape[0] == T * r and target.shape[0] == (T + 1) * r
-                    and target.shape[1:] == value.shape[1:]):
+            axes = [a for a in range(value.dim()) if value.shape[a] != target.shape[a]] \
+                if value.dim() == target.dim() else []
+            a = axes[0] if len(axes) == 1 else None  # the task axis (0 for tables; 2 for stacked Sep generators)
+            r = value.shape[a] // T if a is not None else 0
+            if not (r and value.shape[a] == T * r and target.shape[a] == (T + 1) * r):
                 raise ValueError(f"{name}: {tuple(value.shape)} -> {tuple(target.shape)} is not a per-task table")
-            target[:T * r].copy_(value)
+            target.narrow(a, 0, T * r).copy_(value)
             if source is not None:
-                target[T * r:].copy_(value[source * r:(source + 1) * r])
+                target.narrow(a, T * r, r).copy_(value.narrow(a, source * r, r))
 
 
 def evaluate(model, examples, task_id: int, tokenizer, data_cfg, task: str, batch_size: int = 32) -> float:
