@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tune_study import SHORT, finished_children, study_runs, wait_for
+from test_tune_study import SHORT, interrupt_after_first_trial, study_runs
 
 BUCKET = "hpsearch-studies"
 
@@ -113,17 +112,7 @@ def tune(tmp_path, *args, mirror: str):
 @pytest.mark.slow
 def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path):
     cmd, env = tune(tmp_path, "--num-samples", "3", *SHORT, mirror="mirror-a")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        started = wait_for(lambda: len(finished_children(tmp_path, "s3study")) >= 1
-                           and len(study_runs(tmp_path, "s3study")[2]) >= 2, 600, proc)
-        assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
     assert f"--storage-path s3://{BUCKET}/studies --resume" in err
     stored = bucket_files("studies/s3study")
     assert {"hpsearch-study.json", "space.yaml"} <= stored

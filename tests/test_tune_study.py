@@ -164,14 +164,13 @@ def finished_children(tmp_path, name):
     return [c for c in children if c.info.status == "FINISHED"]
 
 
-@pytest.mark.slow
-def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
-    args = tune_cmd(tmp_path, "resume", "--num-samples", "3", *SHORT)
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def interrupt_after_first_trial(cmd, tmp_path, name, env=None) -> str:
+    """Run a study and interrupt it (Ctrl-C) once its first trial has finished and the second has started; returns
+    its stderr after checking it exited 130."""
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        # interrupt (Ctrl-C) once the first trial has finished and the second has started
-        started = wait_for(lambda: len(finished_children(tmp_path, "resume")) >= 1
-                           and len(study_runs(tmp_path, "resume")[2]) >= 2, 600, proc)
+        started = wait_for(lambda: len(finished_children(tmp_path, name)) >= 1
+                           and len(study_runs(tmp_path, name)[2]) >= 2, 600, proc)
         assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
@@ -179,6 +178,13 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
+    return err
+
+
+@pytest.mark.slow
+def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
+    err = interrupt_after_first_trial(tune_cmd(tmp_path, "resume", "--num-samples", "3", *SHORT), tmp_path,
+                                      "resume")
     assert "--resume" in err
     client, parents, before = study_runs(tmp_path, "resume")
     assert len(parents) == 1 and parents[0].info.status == "KILLED"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -31,11 +30,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"data.tasks: no task has training rows in {cfg.data.source}")
     from hpsearch.model import check_local_backbone
     check_local_backbone(cfg.model.backbone)
-    if args.resume_from and not (Path(args.resume_from) / "state").is_dir():
-        raise UserError(f"--resume-from: {args.resume_from} is not a checkpoint (expected a directory holding "
-                        "state/, e.g. <train.output_dir>/checkpoints/step_N)")
     if args.resume_from:
-        checkpoints.check_files(args.resume_from)  # refused before anything starts, nothing unpickled
+        checkpoints.check_resume_dir(args.resume_from)  # refused before anything starts, nothing unpickled
     if args.local and cfg.train.use_gpu and not torch.cuda.is_available():
         raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
     if args.local:

@@ -80,6 +80,15 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
     return client
 
 
+def check_resume_dir(directory: str | Path) -> None:
+    """`--resume-from`: a checkpoint folder (holding state/) whose files are safe to load, or a one-line UserError,
+    before anything starts (nothing is unpickled)."""
+    if not (Path(directory) / "state").is_dir():
+        raise UserError(f"--resume-from: {directory} is not a checkpoint (expected a directory holding "
+                        "state/, e.g. <train.output_dir>/checkpoints/step_N)")
+    check_files(directory)
+
+
 def check_files(directory: str | Path) -> None:
     """Before anything starts: every checkpoint file under `directory` is a readable archive that holds only what
     the weights-only unpickler rebuilds (read without unpickling); else a one-line UserError naming the file."""
