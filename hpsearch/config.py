@@ -30,7 +30,7 @@ class TrainConfig:
     cpus_per_worker: float = 0.9          # Ray resources per worker (the Tune driver keeps 0.1 of a CPU)
     gpus_per_worker: float = 1.0
     precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
-    zero_stage: int = 3
+    zero_stage: int | str = "auto"        # 0-3, or auto: 0 when the training state fits a worker, else 3
     offload_optimizer: bool = False       # ZeRO-Offload of optimizer states to CPU
     offload_params: bool = False          # ZeRO-Infinity style parameter offload to CPU (stage 3)
     micro_batch_size: int = 16            # per worker
@@ -62,11 +62,11 @@ class TrainConfig:
         if self.precision in ("bf16", "fp16") and not self.use_gpu:
             raise ConfigError(f"train.precision: {self.precision} needs GPU workers (train.use_gpu=true); "
                               "CPU runs use fp32")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"train.zero_stage: {self.zero_stage!r} is not one of 0, 1, 2, 3")
+        if self.zero_stage not in (0, 1, 2, 3, "auto"):
+            raise ConfigError(f"train.zero_stage: {self.zero_stage!r} is not one of 0, 1, 2, 3, auto")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ConfigError("train.offload_optimizer: optimizer offload needs train.zero_stage >= 1")
-        if self.offload_params and self.zero_stage != 3:
+        if self.offload_params and self.zero_stage not in (3, "auto"):
             raise ConfigError("train.offload_params: parameter offload needs train.zero_stage=3")
         if not 0 < self.lr < 1:
             raise ConfigError(f"train.lr: {self.lr!r} is out of range; expected 0 < lr < 1")

@@ -30,8 +30,8 @@ from ray.autoscaler._private.util import fill_node_type_min_max_workers, prepare
 
 from hpsearch.errors import ConfigError, UserError
 from hpsearch.tune.cli import parse_args
+from hpsearch.tune.cluster import trial_resources
 from hpsearch.tune.spacefile import load_space
-from hpsearch.tune.study import trial_resources
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpsearch.config import load_config
+from hpsearch.errors import ConfigError
 from hpsearch.train.launch import free_port
 
 FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "train.micro_batch_size=16",
@@ -51,6 +53,24 @@ def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     assert not cpu["bf16"]["enabled"] and cpu["zero_optimization"]["stage"] == 3
 
 
+def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_does_not():
+    from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config
+
+    cfg = load_config(None, [])
+    assert cfg.train.zero_stage == "auto"
+    gib = 2**30
+    assert auto_zero_stage(cfg, 60_000_000, 12 * gib)[0] == 0  # t5-small: ~0.9 GiB of training state
+    assert auto_zero_stage(cfg, 220_000_000, 6 * gib)[0] == 3  # t5-base: 3.3 GiB > half of 6 GiB
+    assert auto_zero_stage(cfg, 11_000_000_000, 80 * gib)[0] == 3  # t5-11b on an 80 GB GPU
+    assert auto_zero_stage(load_config(None, ["train.offload_optimizer=true"]), 60_000_000, 12 * gib)[0] == 2
+    assert auto_zero_stage(load_config(None, ["train.offload_params=true"]), 60_000_000, 12 * gib)[0] == 3
+    assert deepspeed_config(cfg, 2, 0)["zero_optimization"]["stage"] == 0
+    fixed = load_config(None, ["train.zero_stage=1"])
+    assert fixed.train.zero_stage == 1 and deepspeed_config(fixed, 2, 0)["zero_optimization"]["stage"] == 1
+    with pytest.raises(ConfigError, match="train.zero_stage: 'four' is not one of 0, 1, 2, 3, auto"):
+        load_config(None, ["train.zero_stage=four"])
+
+
 def test_bad_override_is_one_line_error():
     proc = run_train("train.max_step=3", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
@@ -89,7 +109,7 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert (tmp_path / "full" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "full" / "task_params" / "task_params.safetensors").is_file()
     assert (tmp_path / "full" / "config.yaml").is_file()
-    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_20", "step_40"]
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["best", "step_20", "step_40"]
     # the yardstick beside the score: majority class and chance on the same splits (here: the synthetic suite)
     assert 0 < full["majority_score"] < 100 and 0 < full["test_majority_score"] < 100
     assert full["chance_score"] < full["majority_score"]
@@ -119,7 +139,20 @@ def test_pha_trains_and_logs_its_auxiliary_losses(tmp_path):
     out = final_json(run_train(*args))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4, 6, 8, 10]
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_10"]  # train.keep_checkpoints=1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "step_10"]  # keep_checkpoints=1
+    # the best weights: one version kept (the one the kept checkpoint refers to), weights only, not copied into the
+    # checkpoint; they are what was exported (the run loaded them at its end)
+    import torch
+    from safetensors.torch import load_file
+
+    from hpsearch.train import checkpoints
+    weights = tmp_path / "checkpoints" / "best" / f"step_{out['best_step']}.safetensors"
+    assert list((tmp_path / "checkpoints" / "best").iterdir()) == [weights]
+    assert checkpoints.read_best(tmp_path / "checkpoints" / "step_10")["weights"] == str(weights)
+    assert not [f for f in (tmp_path / "checkpoints" / "step_10").rglob("*") if "best" in f.name and f.name !=
+                "best.json"]
+    best, exported = load_file(weights), load_file(tmp_path / "model" / "model.safetensors")
+    assert best and all(torch.equal(v, exported[k]) for k, v in best.items())
     for r in rows:  # the mean of each evaluation window's auxiliary losses (batches mix tasks: both are positive)
         assert r["ir_loss"] > 0 and r["proto_loss"] > 0
     assert out["step"] == 10 and out["test_score"] is not None
@@ -160,7 +193,7 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
 # ---- Ray Train: 2 workers, ZeRO-3 -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
-    args = [*FAST, "train.num_workers=2", "train.micro_batch_size=8"]
+    args = [*FAST, "train.num_workers=2", "train.micro_batch_size=8", "train.zero_stage=3"]  # partitioned
     base = final_json(run_train(*args, "train.output_dir=a", cwd=tmp_path))  # relative: this directory's
     assert base["output_dir"] == str(tmp_path / "a")
     for name in ("config.yaml", "metrics.jsonl", "model/model.safetensors", "task_params/task_params.safetensors"):
@@ -174,9 +207,11 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     (last,) = [p for p in (tmp_path / "a" / "ray").glob("*/checkpoint_*") if (p / "state").is_dir()]
     again = final_json(run_train(*args, "train.output_dir=c", "--resume-from", str(last), cwd=tmp_path))
     assert again == base  # the same result, exports included (they stay where the run wrote them)
-    # a worker dies at step 25; Ray Train restarts both ranks from the step-20 checkpoint and finishes
-    crashed = final_json(run_train(*args, "train.debug_crash_at_step=25", "train.max_failures=1",
-                                   f"train.output_dir={tmp_path}/b"))
+    # a worker dies right after its step-20 report, before Ray Train's controller polled it (Train V2 polls): the
+    # checkpoint is complete in storage but unknown to Ray; both ranks restart from it, not from step 0, and finish
+    proc = run_train(*args, "train.debug_crash_at_step=20", "train.max_failures=1", f"train.output_dir={tmp_path}/b")
+    crashed = final_json(proc)
+    assert re.search(r"resumed from \S+ at step 20\b", proc.stdout), proc.stdout[-3000:]
     assert crashed["step"] == 40
     assert crashed["loss"] == pytest.approx(base["loss"], rel=1e-4)
     assert crashed["score"] == pytest.approx(base["score"], abs=1e-6)
@@ -186,6 +221,43 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
 def test_ray_nan_loss_is_reported_not_hung(tmp_path):
     proc = run_train(*FAST, "train.num_workers=2", "train.debug_nan_at_step=3", f"train.output_dir={tmp_path}")
     assert proc.returncode == 2 and "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
+
+
+def test_newest_complete_checkpoint_needs_every_ranks_files_in_full(tmp_path):
+    """A worker that dies just after its upload leaves a checkpoint Ray never registered: the restarted run takes it
+    only when every rank's manifest is there and every listed file has its listed size."""
+    from pyarrow import fs
+
+    from hpsearch.train import checkpoints
+    local = fs.LocalFileSystem()
+
+    def reported(name, step, ranks, payload=b"x" * 100):
+        folder = tmp_path / name
+        for rank in ranks:  # each rank writes and reports its own files into the shared folder
+            mine = tmp_path / f"rank{rank}" / name
+            (mine / "state").mkdir(parents=True)
+            (mine / "state" / f"zero_pp_rank_{rank}_model_states.pt").write_bytes(payload)
+            if rank == 0:
+                checkpoints.write_report(mine, {"step": step})
+            checkpoints.write_manifest(mine, rank)
+            for f in mine.rglob("*"):
+                if f.is_file():
+                    (folder / f.relative_to(mine)).parent.mkdir(parents=True, exist_ok=True)
+                    (folder / f.relative_to(mine)).write_bytes(f.read_bytes())
+        return folder
+
+    assert checkpoints.newest_complete(local, str(tmp_path / "absent"), 2) is None
+    reported("checkpoint_a", 20, [0, 1])
+    assert checkpoints.newest_complete(local, str(tmp_path), 2) == (20, str(tmp_path / "checkpoint_a"))
+    reported("checkpoint_b", 40, [0])  # rank 1 never uploaded
+    assert checkpoints.complete_step(local, str(tmp_path / "checkpoint_b"), 2) is None
+    assert checkpoints.complete_step(local, str(tmp_path / "checkpoint_b"), 1) == 40
+    c = reported("checkpoint_c", 60, [0, 1])
+    assert checkpoints.newest_complete(local, str(tmp_path), 2) == (60, str(c))
+    shard = c / "state" / "zero_pp_rank_1_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[:50])  # an upload cut short
+    assert checkpoints.newest_complete(local, str(tmp_path), 2) == (20, str(tmp_path / "checkpoint_a"))
+    assert checkpoints.reported_step(local, str(c)) == 60 and checkpoints.reported_step(local, str(tmp_path)) == -1
 
 
 def test_failure_reason_is_the_exception_line_not_a_header_or_the_source_that_raised_it():

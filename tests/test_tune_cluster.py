@@ -5,6 +5,7 @@ loses a worker once and is retried), `mlflow ui`, `ray stop` (the cluster files:
 their own (`unshare --pid`): other Ray instances on the machine stay untouched."""
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -75,6 +76,12 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
             sleep 5
         done
         echo "submit=$code" >> {out}/codes
+        # more than this fixed-size cluster has: its autoscaler (Ray's read-only one) adds nothing, and the study
+        # says so in one line after a few of its rounds, long before budget.wait_for_nodes_s
+        ray job submit --address=http://127.0.0.1:{dashboard} -- python -m hpsearch.tune --name never \
+            --num-samples 1 --tracking-uri sqlite:///{out}/mlflow.db --storage-path {out}/runs resources.workers=8 \
+            budget.wait_for_nodes_s=600 > {out}/never.log 2>&1
+        echo "never=$?" >> {out}/codes
         setsid mlflow ui --backend-store-uri sqlite:///{out}/mlflow.db --host 127.0.0.1 --port {ui} \\
             > {out}/ui.log 2>&1 &
         ui_pid=$!
@@ -92,8 +99,14 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
         echo "stop=$?" >> {out}/codes
         """)
     codes, logs, done = run_isolated(script, tmp_path / "readme.sh", out, timeout=900)
-    assert codes == {"start": "0", "submit": "0", "stop": "0"}, (codes, logs, done.stderr[-2000:])
+    assert {k: codes[k] for k in ("start", "submit", "stop")} == {"start": "0", "submit": "0", "stop": "0"}, \
+        (codes, logs, done.stderr[-2000:])
     assert "succeeded" in logs["job.log"], logs["job.log"]
+    never = (out / "never.log").read_text()
+    assert codes["never"] != "0", never
+    assert re.search(r"error: resources: one trial needs 7\.3 CPU but the cluster has 2 CPU and its autoscaler "
+                     r"adds no node for it \(\d+ of its rounds since the request launched nothing\)", never), never
+    assert "Traceback" not in never and not (out / "runs" / "never").exists()
     assert json.loads((out / "ui.json").read_text())["experiment"]["name"] == "hpsearch/job", logs["ui.log"]
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")

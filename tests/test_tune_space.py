@@ -189,7 +189,7 @@ def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_
 
 # ---- study logic without a cluster ------------------------------------------------------------------------------
 def test_concurrency_follows_resources(tmp_path):
-    from hpsearch.tune.study import concurrency
+    from hpsearch.tune.cluster import concurrency
 
     space = load_space(write(tmp_path, BASE))  # 2 workers x 0.9 CPU + 0.1 for the trial's driver
     assert concurrency(space, {"CPU": 2.0}) == 1
@@ -200,6 +200,31 @@ def test_concurrency_follows_resources(tmp_path):
     assert concurrency(gpu, {"CPU": 64.0, "GPU": 8.0}) == 4
     capped = load_space(write(tmp_path, BASE + "resources:\n  max_concurrent: 2\n"))
     assert concurrency(capped, {"CPU": 64.0}) == 2
+
+
+def test_autoscaler_verdict_needs_rounds_after_the_request_that_launch_nothing():
+    """The autoscaler's reports (Ray's `__autoscaling_status` record) decide early only when several of its rounds
+    after the request launched, started and lost no node; a launch, a pending node or a failure means: keep waiting."""
+    from hpsearch.tune.cluster import autoscaler_adds_nothing
+
+    idle = {"pending_launches": {}, "pending_nodes": [], "failed_nodes": [], "active_nodes": {"head": 1}}
+    status = lambda t, **report: {"time": t, "autoscaler_report": {**idle, **report}}
+    rounds: dict = {}
+    assert autoscaler_adds_nothing(100.0, status(95.0), rounds) is None  # from before the request: not counted
+    assert autoscaler_adds_nothing(100.0, status(100.0), rounds) is None  # the round the request came after
+    assert autoscaler_adds_nothing(100.0, status(105.0), rounds) is None
+    assert autoscaler_adds_nothing(100.0, status(105.0), rounds) is None  # the same round read twice
+    assert autoscaler_adds_nothing(100.0, status(110.0), rounds) is None
+    assert autoscaler_adds_nothing(100.0, None, rounds) is None  # no report this time
+    assert "3 of its rounds" in autoscaler_adds_nothing(100.0, status(115.0), rounds)
+    for busy in ({"pending_launches": {"worker": 1}}, {"pending_nodes": [["10.0.0.2", "worker", "setting-up"]]},
+                 {"failed_nodes": [["10.0.0.3", "worker"]]}):
+        rounds = {}
+        for t in (105.0, 110.0, 115.0, 120.0):
+            report = busy if t == 110.0 else {}
+            assert autoscaler_adds_nothing(100.0, status(t, **report), rounds) is None, busy
+    rounds = {}  # no autoscaler report at all (no autoscaler, or its v2 that keeps none here): the wait decides
+    assert all(autoscaler_adds_nothing(0.0, {"time": t}, rounds) is None for t in range(1, 10))
 
 
 def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):

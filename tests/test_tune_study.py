@@ -134,7 +134,7 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert any(c.data.tags["hpsearch.outcome"] == "complete" for c in children)
     # disk: the study keeps the exports of complete trials, not the checkpoints only a resume needed
     study_dir = tmp_path / "runs" / "e2e"
-    left = [p for p in (*study_dir.glob("train/*/checkpoint_*"), *study_dir.glob("trials/*/best")) if p.is_dir()]
+    left = [p for p in (*study_dir.glob("train/*/checkpoint_*"), *study_dir.glob("train/*/best")) if p.is_dir()]
     assert not left, left
     complete = [c.data.tags["hpsearch.trial_id"] for c in children if c.data.tags["hpsearch.outcome"] == "complete"]
     assert all((study_dir / "trials" / t / "model" / "model.safetensors").is_file() for t in complete)
@@ -257,6 +257,40 @@ def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path):
     complete = sum(c.data.tags["hpsearch.outcome"] == "complete" for c in children)
     assert parents[0].data.metrics["trials_complete"] == complete
     assert "Best trial" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path):
+    """What Ray's memory monitor does under pressure: SIGKILL a running trial's own driver (Tune's actor, owner of
+    the Train run) after its first evaluation. Tune retries the trial; its new Train run starts once the old run's
+    workers and placement group are released (no start-up timeout waited out), continues from the step-10
+    checkpoint, and the study finishes with one MLflow child holding each evaluation once."""
+    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *SHORT), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def evaluated_once():
+        try:
+            client, _, children = study_runs(tmp_path, "oom")
+            return any(steps(client, c.info.run_id) == [10] for c in children)
+        except Exception:  # the store or the experiment is not there yet
+            return False
+    try:
+        assert wait_for(evaluated_once, 600, proc, poll=0.5), proc.stderr.read()[-3000:] if proc.poll() else ""
+        drivers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "ImplicitFunc" in " ".join(p.cmdline())]
+        assert len(drivers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+        drivers[0].kill()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    client, parents, children = study_runs(tmp_path, "oom")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    (child,) = children
+    assert child.info.status == "FINISHED" and child.data.tags["hpsearch.outcome"] == "complete"
+    assert child.data.tags["hpsearch.retries"] == "1"
+    assert steps(client, child.info.run_id) == [10, 20]  # went on from step 10, each evaluation logged once
 
 
 @pytest.mark.slow

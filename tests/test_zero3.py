@@ -42,5 +42,10 @@ def test_zero3_step_every_method(tmp_path):
             assert r["generated"] == r["expected"]  # synced generation under ZeRO-3 == the plain model's
             assert r["frozen"] == r["expected"]  # ... also from task tensors frozen under ZeRO-3
             assert r["merged"] == (name == "lora") and r["merge_equal"]  # LoRA's merge of the gathered weights
+            # the best weights: written whole, one parameter at a time, and read back exactly after the weights moved
+            assert r["best"] == {"moved": True, "restored": True, "whole": True}, r["best"]
         # the ranks agree on the (gathered) updated parameters' fate and the counts
         assert reports[0][name]["extra"] == reports[1][name]["extra"]
+    for rep in reports:  # every parameter persistent (whole copies beside the partitions): the forward sees them
+        assert rep["persistent"]["best"] == {"moved": True, "restored": True, "whole": True}, rep["persistent"]
+        assert abs(rep["persistent"]["loss"] - rep["persistent"]["expected_loss"]) < 1e-5, rep["persistent"]

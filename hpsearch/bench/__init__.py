@@ -8,7 +8,7 @@ Groups (all by default; `--only` / `--skip` select):
     generate    greedy generation with frozen prompts ÷ MTL (and prompts generated per call, for contrast)
     flops       achieved model FLOP/s of the stock and HyperPrompt-Global steps ÷ this machine's fp32 matmul peak
     deepspeed   one in-process DeepSpeed rank (recipe's config; ZeRO-3 and ZeRO-0) ÷ a plain torch loop
-    checkpoint  bytes a `--local` run writes per evaluation, and what best/ and checkpoints/ keep (subprocess)
+    checkpoint  bytes a `--local` run writes per evaluation, and what the best weights and checkpoints keep
     trial       fixed cost of a trial: `python -m hpsearch.train` at two step counts, with Ray and --local
                 (subprocesses, a few minutes even at t5-tiny: `--skip trial` for a quick look)
 

@@ -6,7 +6,7 @@ trial: wall time of a trial at two step counts (one evaluation each, at the end)
     is logged, and the time its line appears splits a run into start-up, steps, and the end (parts).
 checkpoint: one `--local` run evaluating after each of 2 steps; bytes the process wrote (`wchar` of
     /proc/self/io, read at exit) minus its final outputs (export, metrics), per evaluation, over the bytes of
-    the model's weights (each parameter once); plus what best/, checkpoints/ and the export keep on disk.
+    the model's weights (each parameter once); plus what the best weights, checkpoints/ and the export keep on disk.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ FIXED_COST_GOAL = 6.0
 WRITTEN_GOAL, BEST_GOAL, COPIED_GOAL = 4.0, 1.0, 0.0
 SMALL_DATA = ["data.synthetic_train_rows=200", "data.synthetic_eval_rows=20"]
 TIMEOUT_S = 3600
+# the in-process groups' torch.distributed rendezvous (its port still held): not the subprocess's
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _STEP_LINE = re.compile(r"\[hpsearch\.train\] step \d+/\d+")
 
 _IO_AT_EXIT = """
@@ -56,8 +58,8 @@ class Run:
 
 def _train(args: list[str], cwd: Path, log, env: dict | None = None, script: str | None = None) -> Run:
     """Run hpsearch.train (every step logged) and time it from its output; a failure raises, with its reason."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
-           **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in _DIST_VARS}, "DS_ACCELERATOR": "cpu",
+           "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = [sys.executable, *(["-c", script] if script else ["-m", "hpsearch.train"]), *args, "train.log_every=1"]
     start = time.perf_counter()
     steps, tail = [], []
@@ -153,6 +155,13 @@ def _weights_bytes(overrides: list[str]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _tensor_bytes(path: Path) -> int:
+    """The tensor data of a safetensors file: its size less the 8-byte length and the JSON header."""
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - header
+
+
 def run_checkpoint(shape: str, log) -> tuple[list, dict]:
     with tempfile.TemporaryDirectory(prefix="hpsearch-bench-ckpt-") as tmp:
         tmp = Path(tmp)
@@ -171,9 +180,10 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
             return [], {"checkpoint": f"cannot count the model's weights: {type(e).__name__}: {e}"[:400]}
         export = _bytes(out / "model", lambda rel: rel.suffix == ".safetensors")
         finals = _bytes(out, lambda rel: rel.parts[0] not in ("checkpoints", "best"))  # export, metrics, config
-        best = _bytes(out / "best") if (out / "best").exists() else 0
-        kept = sorted(p for p in (out / "checkpoints").glob("*") if p.is_dir())
-        copied = _bytes(out / "checkpoints", lambda rel: "best" in rel.parts[1:]) if kept else 0
+        versions = sorted((out / "checkpoints" / "best").glob("*.safetensors"))  # the best weights kept
+        best = max((_tensor_bytes(v) for v in versions), default=0)
+        kept = sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
+        copied = _bytes(out / "checkpoints", lambda rel: rel.parts[0].startswith("step_") and "best" in rel.parts[1:])
         on_disk = _bytes(out / "checkpoints") if kept else 0
     per_eval = (written - finals) / max(evaluations, 1)
     common = {"weights_bytes": weights, "evaluations": evaluations, "best_improved": improved}
@@ -183,7 +193,8 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
                parts={**common, "bytes_written_total": written, "final_outputs_bytes": finals,
                       "bytes_per_eval": per_eval}),
         Figure("checkpoint/best_size", best / weights, BEST_GOAL, "lower", "x weights",
-               "best/ on disk ÷ the model's weight bytes (goal: weights only)", parts={**common, "best_bytes": best}),
+               "a version of the best weights ÷ the model's weight bytes (goal: weights only)",
+               parts={**common, "best_bytes": best, "best_versions_kept": len(versions)}),
         Figure("checkpoint/best_copied", copied / weights / max(len(kept), 1), COPIED_GOAL, "lower", "x weights",
                "best weights copied into each kept checkpoint ÷ weight bytes (goal: referenced, not copied)",
                parts={**common, "checkpoints_kept": len(kept), "copied_bytes": copied,

@@ -70,16 +70,18 @@ def engine_step(model, cfg, batch):
 def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, dict]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+    import psutil
 
     from hpsearch.bench.models import BATCH, make_batch
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
+    from hpsearch.train.dsconfig import auto_zero_stage
     from hpsearch.train.ops import load_ops, ops_for
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
     cfg = load_config(None, [f"model.backbone={shape}", f"train.micro_batch_size={BATCH}", "train.num_workers=1"])
-    stages = sorted({cfg.train.zero_stage, 3, 0}, reverse=True)
+    stages = [3, 0]
     created = _init_process_group()
     load_ops(ops_for(offload_optimizer=False))
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op builder prints; stdout is the report's
@@ -87,7 +89,8 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, 
     torch.manual_seed(0)
     base = build_from_config(cfg.model, [f"task{i}" for i in range(n_tasks)])
     batch = make_batch(base.config.vocab_size, n_tasks, batching)
-    log(f"DeepSpeed stages {stages} vs a plain loop: {cfg.model.method} at {shape}")
+    auto, _ = auto_zero_stage(cfg, sum(p.numel() for p in base.parameters()), psutil.virtual_memory().total)
+    log(f"DeepSpeed stages {stages} vs a plain loop: {cfg.model.method} at {shape} (zero_stage=auto: {auto})")
     pool, errors, engines = Pool(), {}, []
     plain = copy.deepcopy(base)
     pool.add("torch", plain_step(plain, cfg, batch), setup=plain.train)
@@ -108,6 +111,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, 
             torch.distributed.destroy_process_group()
     errors.update(failed)
     figures = [ratio(f"deepspeed/zero{s}_vs_torch", f"zero{s}", "torch", timings, GOAL,
-                     f"train step, one DeepSpeed ZeRO-{s} rank (recipe's config) ÷ plain torch loop, same model")
+                     f"train step, one DeepSpeed ZeRO-{s} rank (recipe's config) ÷ plain torch loop, same model"
+                     + (" (the default, zero_stage=auto, picks it here)" if s == auto else ""))
                for s in stages]
     return [f for f in figures if f is not None], errors

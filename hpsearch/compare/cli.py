@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     from hpsearch.compare.run import ComparisonRuns, make_tuner
     from hpsearch.tracking import ROLE_TAG, StudyRun
     from hpsearch.train import init_ray
-    from hpsearch.tune.study import concurrency
+    from hpsearch.tune.cluster import concurrency
 
     spec = comparison.spec
     parent = StudyRun.create(state["tracking_uri"], comparison.name, space_path=spec.path, space_text=spec.text,

@@ -13,7 +13,7 @@ import json
 import os
 import pickle
 import re
-import shutil
+import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,13 +114,71 @@ def _corrupt_file(folder: Path, pattern: str = "*.pt") -> str | None:
     return None
 
 
-def copy_rank_files(src: Path, dst: Path, rank: int) -> None:
-    """Copy this rank's files of a DeepSpeed checkpoint folder (rank 0 also the shared ones)."""
-    for f in sorted(src.rglob("*")):
-        if f.is_file() and (f"zero_pp_rank_{rank}_" in f.name or (rank == 0 and "zero_pp_rank_" not in f.name)):
-            target = dst / f.relative_to(src)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target)
+# ---- the best weights: written once when they improve, referenced by every later checkpoint -------------------
+def _trained(engine):
+    """(name, parameter) of what training changes: the parameters with requires_grad (each once, tied ones too)."""
+    return [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def save_best(engine, rank: int, filesystem, path: str) -> None:
+    """Rank 0 writes the weights training changes as safetensors at `path` of a pyarrow `filesystem`, in their
+    training dtype (16-bit when training is): weights only, no optimizer state. Under ZeRO-3 the parameters are
+    gathered one at a time, so no rank holds more than one full parameter beyond its shard. Every rank calls this."""
+    import deepspeed
+    from safetensors.torch import save
+
+    state = {}
+    for name, p in _trained(engine):
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            if rank == 0:
+                state[name] = p.detach().cpu().clone()
+    if rank == 0:
+        filesystem.create_dir(path.rsplit("/", 1)[0])
+        with filesystem.open_output_stream(path) as out:
+            out.write(save(state))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # written before any checkpoint refers to it
+
+
+def load_best(engine, rank: int, filesystem, path: str) -> None:
+    """Put the weights `save_best` wrote back into the engine's model. Under ZeRO-3 rank 0 reads the file and each
+    parameter is scattered from it; otherwise every rank holds whole parameters and reads the file itself. A file
+    that is gone, unreadable or from another model is a one-line UserError. Every rank calls this."""
+    import deepspeed
+    from safetensors import SafetensorError, safe_open
+
+    trained = _trained(engine)
+    zero3 = any(hasattr(p, "ds_id") for _, p in trained)
+    reads = rank == 0 or not zero3
+    problem = ""
+    with tempfile.TemporaryDirectory(prefix="hpsearch-best-") as tmp:
+        local = path
+        if reads and type(filesystem).__name__ != "LocalFileSystem":  # a bucket: this rank's copy
+            local = str(Path(tmp) / "best.safetensors")
+            try:
+                with filesystem.open_input_stream(path) as src, open(local, "wb") as dst:
+                    dst.write(src.read())
+            except OSError:
+                problem = "is gone"
+        if reads and not problem:
+            try:
+                weights = safe_open(local, "pt")
+                missing = sorted({name for name, _ in trained} - set(weights.keys()))
+                problem = f"lacks {', '.join(missing[:3])}" if missing else ""
+            except (OSError, SafetensorError):
+                problem = "is gone or unreadable"
+        flags = torch.tensor([float(bool(problem))])
+        if torch.distributed.is_initialized():
+            if torch.distributed.get_backend() == "nccl":  # NCCL reduces GPU tensors only
+                flags = flags.cuda()
+            torch.distributed.all_reduce(flags)
+        if flags.item():
+            raise UserError(f"the best weights {path} {problem or 'are unusable on another rank'}: the checkpoint "
+                            "refers to weights that are not there (or belong to another model)")
+        for name, p in trained:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if reads:
+                    p.data.copy_(weights.get_tensor(name).to(p.dtype))
 
 
 EXPORTS = ("model", "task_params", "config.yaml", "metrics.jsonl")
@@ -138,6 +196,73 @@ def upload_exports(out_dir: Path, path: str, filesystem) -> None:
         elif source.is_file():
             with source.open("rb") as src, filesystem.open_output_stream(f"{path}/{name}") as out:
                 out.write(src.read())
+
+
+MANIFEST = "manifest_rank_{}.json"
+
+
+def write_manifest(directory: str | Path, rank: int) -> None:
+    """This rank's files in a checkpoint folder it is about to report, with their sizes (see the module docstring)."""
+    directory = Path(directory)
+    files = {str(f.relative_to(directory)): f.stat().st_size for f in sorted(directory.rglob("*"))
+             if f.is_file() and not (f.name.startswith("manifest_rank_") and f.parent == directory)}
+    (directory / MANIFEST.format(rank)).write_text(json.dumps(files) + "\n")
+
+
+def complete_step(filesystem, path: str, world: int) -> int | None:
+    """The step of the checkpoint at `path` (a pyarrow filesystem path) if every one of `world` ranks' files is there
+    in full (their manifests), else None."""
+    from pyarrow import fs
+    try:
+        sizes = {info.path[len(path.rstrip("/")) + 1:]: info.size
+                 for info in filesystem.get_file_info(fs.FileSelector(path, recursive=True))
+                 if info.type == fs.FileType.File}
+        listed = {}
+        for rank in range(world):
+            with filesystem.open_input_stream(f"{path}/{MANIFEST.format(rank)}") as f:
+                listed.update(json.loads(f.read()))
+    except (OSError, ValueError, KeyError, TypeError):  # absent, half-written or not ours
+        return None
+    step = reported_step(filesystem, path)
+    return step if step >= 0 and all(sizes.get(name) == size for name, size in listed.items()) else None
+
+
+def newest_complete(filesystem, experiment_path: str, world: int) -> tuple[int, str] | None:
+    """(step, path) of the complete checkpoint with the highest step among the `checkpoint_*` folders of a Ray Train
+    run's storage, else None."""
+    from pyarrow import fs
+    try:
+        folders = [i.path for i in filesystem.get_file_info(fs.FileSelector(experiment_path, allow_not_found=True))
+                   if i.type == fs.FileType.Directory and i.base_name.startswith("checkpoint_")]
+    except OSError:
+        return None
+    found = [(step, path) for path in folders if (step := complete_step(filesystem, path, world)) is not None]
+    return max(found) if found else None
+
+
+def reported_step(filesystem, path: str) -> int:
+    """The step a checkpoint (a pyarrow filesystem path) was reported at; -1 if it carries no readable report."""
+    try:
+        with filesystem.open_input_stream(f"{path}/{REPORT}") as f:
+            return int(json.loads(f.read())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+BEST = "best.json"
+
+
+def write_best(directory: str | Path, best: dict) -> None:
+    """The best so far ({score, step, weights: the path of its weights}) a checkpoint refers to."""
+    (Path(directory) / BEST).write_text(json.dumps(best) + "\n")
+
+
+def read_best(directory: str | Path) -> dict | None:
+    try:
+        best = json.loads((Path(directory) / BEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return best if isinstance(best, dict) and isinstance(best.get("weights"), str) else None
 
 
 def write_report(directory: Path, metrics: dict) -> None:

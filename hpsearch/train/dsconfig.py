@@ -8,10 +8,32 @@ def use_bf16(cfg: RunConfig) -> bool:
     return cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and cfg.train.use_gpu)
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int) -> dict:
-    """The DeepSpeed config generated from a run config (ZeRO stage 3 by default)."""
+# bytes of training state per parameter: weights, gradients and AdamW's two moments in fp32 (4 + 4 + 8), or bf16
+# weights and gradients with fp32 master weights and moments (2 + 2 + 12)
+STATE_BYTES_PER_PARAM = 16
+AUTO_FITS = 0.5  # auto: stage 0 when the training state takes at most this share of a worker's memory
+
+
+def auto_zero_stage(cfg: RunConfig, n_params: int, worker_memory: float) -> tuple[int, str]:
+    """`train.zero_stage=auto`: the stage for a model of `n_params` on workers with `worker_memory` bytes each
+    (GPU memory, or the node's RAM shared by its workers), and why. When the whole training state fits
+    comfortably, every rank keeps it (stage 0: plain data parallelism, no gathering of weights per layer, the
+    fastest); else ZeRO-3 partitions it. Offloading asks for the stage it needs."""
+    need = STATE_BYTES_PER_PARAM * n_params
+    why = f"training state ~{need / 2**30:.2f} GiB, {worker_memory / 2**30:.1f} GiB per worker"
+    if cfg.train.offload_params:
+        return 3, "parameter offload needs stage 3"
+    if need > AUTO_FITS * worker_memory:
+        return 3, why + ": partitioned"
+    if cfg.train.offload_optimizer:
+        return 2, why + "; optimizer offload needs stage >= 1"
+    return 0, why + ": fits each worker"
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, stage: int | None = None) -> dict:
+    """The DeepSpeed config generated from a run config; `stage` resolves `train.zero_stage=auto` (default 3)."""
     t = cfg.train
-    zero: dict = {"stage": t.zero_stage}
+    zero: dict = {"stage": t.zero_stage if isinstance(t.zero_stage, int) else (3 if stage is None else stage)}
     if t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": t.use_gpu}
     if t.offload_params:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 from hpsearch.config import load_config
 from hpsearch.errors import UserError
 from hpsearch.train import checkpoints
-from hpsearch.train.dsconfig import deepspeed_config, lr_lambda
+from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, lr_lambda
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
 from hpsearch.train.ops import load_ops, ops_for
@@ -58,13 +57,6 @@ class Window:
         values = t.tolist()  # the one host synchronisation of the window
         return {"eval_loss": values[0], "tokens": values[1], "log_loss": values[2], "bad_ranks": values[3],
                 "aux": dict(zip(names, values[4:]))}
-
-
-def _all_ranks_sum(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t)
-    return t.tolist()
 
 
 def train_loop(loop_config: dict, session=None) -> dict:
@@ -112,8 +104,9 @@ def _train(loop_config: dict, session) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    stage = _zero_stage(cfg, model, device, session, rank)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(cfg, world))  # the engine steps both
+                                      config=deepspeed_config(cfg, world, stage))  # the engine steps both
     step, best = 0, {"score": -math.inf, "step": 0}
     out_dir = Path(cfg.train.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,12 +126,6 @@ def _train(loop_config: dict, session) -> dict:
             session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
             session.release_checkpoint_dir()
             return done
-        # the best weights so far: rank 0 clears the folder, then every rank copies in its own shard
-        if rank == 0:
-            shutil.rmtree(out_dir / "best", ignore_errors=True)
-        torch.distributed.barrier()
-        checkpoints.copy_rank_files(Path(resume_dir) / "best", out_dir / "best", rank)
-        torch.distributed.barrier()
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
         session.release_checkpoint_dir()
     elif rank == 0:
@@ -166,13 +153,11 @@ def _train(loop_config: dict, session) -> dict:
                 window.add(step + 1, loss, batch["attention_mask"].sum() + (batch["labels"] != -100).sum(),
                            getattr(out, "aux_losses", {}), cfg.train.grad_accum)
             step += 1
-            if cfg.train.debug_crash_at_step == step and not resume_dir and rank == 0:
-                time.sleep(5)  # let the controller collect the last report (V2 polls workers for reports)
-                os._exit(17)  # a worker dies (simulated preemption); Ray Train restarts from the last checkpoint
             loss_n, log_n = loss_n + 1, log_n + 1
             evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
             logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
             if not (evaluating or logging_):
+                _maybe_crash(cfg, step, resume_dir, rank)
                 continue
             sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
             if sums["bad_ranks"]:
@@ -192,43 +177,73 @@ def _train(loop_config: dict, session) -> dict:
                            "extra_params": extra_params,
                            **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
                 metrics.update(objective.evaluate())
-                if metrics["score"] > best["score"]:
-                    best = {"score": metrics["score"], "step": step}
-                    engine.save_checkpoint(str(out_dir / "best"), tag="best")  # every rank: its own shard
+                if metrics["score"] > best["score"]:  # weights only, once; later checkpoints refer to them
+                    filesystem, folder = session.best_dir()
+                    best = {"score": metrics["score"], "step": step, "weights": f"{folder}/step_{step}.safetensors"}
+                    checkpoints.save_best(engine, rank, filesystem, best["weights"])
                 metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
                 final = metrics
                 with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
                     engine.save_checkpoint(ckpt, tag="state", client_state={
                         "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})
-                    checkpoints.copy_rank_files(out_dir / "best", Path(ckpt) / "best", rank)  # best weights travel
                     if step == cfg.train.max_steps:
-                        final = {**metrics, **finish(engine, objective, cfg, rank, best, device)}
+                        final = {**metrics, **finish(engine, objective, cfg, rank, best, session)}
                     if rank == 0:
                         with open(out_dir / "metrics.jsonl", "a") as f:
                             f.write(json.dumps(final) + "\n")
                         checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
+                        checkpoints.write_best(Path(ckpt), best)
                         if final.get("final") and loop_config.get("export_to"):  # a study in a bucket: exports go there
                             checkpoints.upload_exports(out_dir, *loop_config["export_to"])
                     session.report(final, ckpt)
+                    torch.distributed.barrier()  # every rank's report is stored: older best weights may go
+                    if rank == 0 and "weights" in best:
+                        session.prune_best(best["weights"])
                 loss_n, t_last = 0, time.perf_counter()
                 window.eval_loss, window.tokens, window.aux = window.zero(), window.zero(), {}
+            _maybe_crash(cfg, step, resume_dir, rank)
     finally:  # also on an error: no thread left making batches
         batches.close()
     return final
 
 
-def finish(engine, objective, cfg, rank, best, device) -> dict:
-    """Load the best validation checkpoint; the objective exports it (and scores it on the test split)."""
+def _zero_stage(cfg, model, device, session, rank) -> int:
+    """The ZeRO stage: `train.zero_stage`, or for `auto` the one `auto_zero_stage` picks from the model's size and
+    the smallest worker's memory (every rank the same)."""
+    if isinstance(cfg.train.zero_stage, int):
+        return cfg.train.zero_stage
+    import psutil
+
+    if cfg.train.use_gpu:
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = psutil.virtual_memory().total / max(1, getattr(session, "local_world_size", 1))
+    memory = torch.tensor([float(memory)], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MIN)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    stage, why = auto_zero_stage(cfg, n_params, memory.item())
+    _rank0_print(rank, f"ZeRO stage {stage} (train.zero_stage=auto: {why})")
+    return stage
+
+
+def finish(engine, objective, cfg, rank, best, session) -> dict:
+    """Load the best validation weights; the objective exports them (and scores them on the test split)."""
     out_dir = Path(cfg.train.output_dir)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    has_best = _all_ranks_sum([float((out_dir / "best" / "best").is_dir())], device)[0] == world
-    if best["step"] and has_best:
-        checkpoints.load(engine, out_dir / "best", tag="best", load_optimizer_states=False,
-                         load_lr_scheduler_states=False)
+    if best.get("weights"):
+        filesystem, _ = session.best_dir()
+        checkpoints.load_best(engine, rank, filesystem, best["weights"])
     else:  # no validation score ever (no validation rows): the last weights are the result
         best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
     return {**objective.finish(engine, best), "best_step": best["step"], "final": 1.0,
             "output_dir": str(out_dir.resolve())}
+
+
+def _maybe_crash(cfg, step: int, resumed: str | None, rank: int) -> None:
+    """Fault injection (`train.debug_crash_at_step`): rank 0 dies at the end of that step, once (not after a restart),
+    without waiting: at an evaluation step, right after its report, before Ray Train's controller may have polled it."""
+    if cfg.train.debug_crash_at_step == step and not resumed and rank == 0:
+        os._exit(17)
 
 
 def _rank0_print(rank: int, text: str) -> None:

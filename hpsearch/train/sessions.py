@@ -1,4 +1,8 @@
-"""Where a rank's reports and checkpoints go: stdout and a local folder (`--local`), or Ray Train."""
+"""Where a rank's reports and checkpoints go: stdout and a local folder (`--local`), or Ray Train.
+
+Both also keep the best weights (`best_dir()`, a folder of a pyarrow filesystem: `best/step_<N>.safetensors`, written
+once when validation improves, see checkpoints.save_best); every checkpoint refers to the version it needs (its
+`best.json`), and `prune_best` removes the versions no kept checkpoint refers to."""
 from __future__ import annotations
 
 import shutil
@@ -6,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from hpsearch.config import RunConfig
+from hpsearch.train import checkpoints
 
 
 class LocalSession:
@@ -17,13 +22,24 @@ class LocalSession:
         self.keep = cfg.train.keep_checkpoints
         self.history: list[dict] = []
 
-    rank, world_size, local_rank, node_rank, nodes = 0, 1, 0, 0, 1
+    rank, world_size, local_rank, local_world_size, node_rank, nodes = 0, 1, 0, 1, 0, 1
 
     def get_checkpoint_dir(self) -> str | None:
         return self.resume_from
 
     def release_checkpoint_dir(self) -> None:
         pass  # the user's folder
+
+    def best_dir(self):
+        from pyarrow import fs
+        return fs.LocalFileSystem(), str((self.dir / "best").resolve())
+
+    def prune_best(self, current: str) -> None:
+        """Remove best-weight versions that neither `current` nor a kept checkpoint (its best.json) refers to."""
+        filesystem, folder = self.best_dir()
+        refs = [checkpoints.read_best(step) for step in self.dir.glob("step_*")]
+        keep = {current} | {ref["weights"] for ref in refs if ref}
+        _remove_unreferenced(filesystem, folder, keep)
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         if checkpoint_dir:
@@ -40,16 +56,24 @@ class LocalSession:
 class RaySession:
     """Inside a Ray Train worker: ray.train.report (every rank, its own ZeRO shard) and get_checkpoint.
 
-    A run restarted by Ray Train (worker failure) or resumed by Tune continues from Ray's latest checkpoint; else
-    from `resume_from` (`python -m hpsearch.train --resume-from DIR`: a folder every worker can read)."""
+    A run restarted by Ray Train (worker failure) or resumed by Tune continues from the newest complete checkpoint in
+    the run's storage: Ray's latest, or a newer one a worker uploaded just before it died, before Ray's controller
+    polled its report (checkpoints.newest_complete); else from `resume_from` (`python -m hpsearch.train
+    --resume-from DIR`: a folder every worker can read)."""
 
     def __init__(self, resume_from: str | None = None):
         import ray.train
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.local_rank, self.node_rank = ctx.get_local_rank(), ctx.get_node_rank()
-        self.nodes = self.world_size // max(1, ctx.get_local_world_size())
+        self.local_world_size = ctx.get_local_world_size()
+        self.nodes = self.world_size // max(1, self.local_world_size)
         self._ckpt = ray.train.get_checkpoint()
+        storage = ctx.get_storage()
+        newest = checkpoints.newest_complete(storage.storage_filesystem, storage.experiment_fs_path, self.world_size)
+        if newest is not None and (self._ckpt is None or newest[0] > checkpoints.reported_step(
+                self._ckpt.filesystem, self._ckpt.path)):
+            self._ckpt = ray.train.Checkpoint(newest[1], filesystem=storage.storage_filesystem)
         self._resume_from = resume_from
         self._resume_dir = None
 
@@ -63,8 +87,26 @@ class RaySession:
         if self._resume_dir:  # a downloaded copy of the Ray checkpoint
             shutil.rmtree(self._resume_dir, ignore_errors=True)
 
+    def best_dir(self):
+        import ray.train
+        storage = ray.train.get_context().get_storage()
+        return storage.storage_filesystem, f"{storage.experiment_fs_path}/best"
+
+    def prune_best(self, current: str) -> None:
+        """Ray keeps one checkpoint (the latest), which refers to `current`: remove every other version."""
+        _remove_unreferenced(*self.best_dir(), {current})
+
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         import ray.train
+        if checkpoint_dir:
+            checkpoints.write_manifest(checkpoint_dir, self.rank)
         ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ray.train.report(metrics, checkpoint=ckpt)
 
+
+
+def _remove_unreferenced(filesystem, folder: str, keep: set[str]) -> None:
+    from pyarrow import fs
+    for info in filesystem.get_file_info(fs.FileSelector(folder, allow_not_found=True)):
+        if info.type == fs.FileType.File and info.path not in keep:
+            filesystem.delete_file(info.path)

@@ -167,7 +167,7 @@ def local_resources() -> dict[str, float]:
 
 def _check_fits(space, cluster: dict[str, float]) -> None:
     """A trial that can never be placed would wait forever: say so before Ray starts."""
-    from hpsearch.tune.study import trial_resources
+    from hpsearch.tune.cluster import trial_resources
 
     t = space.config.train
     driver = space.resources.driver_resource
@@ -193,7 +193,8 @@ def main(argv: list[str]) -> int:
 
     from hpsearch.tracking import StudyRun, TrialRuns
     from hpsearch.train import init_ray
-    from hpsearch.tune.study import concurrency, make_tuner, restore_tuner, wait_for_nodes
+    from hpsearch.tune.cluster import concurrency, wait_for_nodes
+    from hpsearch.tune.study import make_tuner, restore_tuner
 
     space = study.space
     init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events

@@ -20,6 +20,7 @@ from typing import Any
 
 from hpsearch.config import RunConfig
 from hpsearch.errors import UserError
+from hpsearch.tune.cluster import trial_bundles
 from hpsearch.tune.space import SearchSpace
 from hpsearch.tune.storage import Storage, open_storage
 
@@ -66,11 +67,12 @@ class Study:
         return "complete" if last_result.get("step", 0) >= self.space.config.train.max_steps else "stopped"
 
     def prune(self) -> tuple[int, int]:
-        """At the study's end: remove what only a resume needed (Ray Train's checkpoints of each trial, the ZeRO
-        shards of its best model, optimizer states included); keep the exports (`trials/<id>/model`,
+        """At the study's end: remove what only a resume needed (Ray Train's checkpoints of each trial, optimizer
+        states included, and its best weights, already exported); keep the exports (`trials/<id>/model`,
         `task_params`, config, metrics). Returns (bytes freed, bytes the study folder still holds)."""
-        doomed = [p for p in (*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("trials/*/best")) if p.is_dir()]
-        freed = sum(_size(p) for p in doomed) + self.storage.delete(self.name, "train/*/checkpoint_*")
+        doomed = [p for p in (*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("train/*/best")) if p.is_dir()]
+        freed = sum(_size(p) for p in doomed) + sum(self.storage.delete(self.name, pattern)
+                                                    for pattern in ("train/*/checkpoint_*", "train/*/best"))
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return freed, _size(self.dir)
@@ -154,65 +156,6 @@ def deterministic(reason: str) -> bool:
 
 
 # ---- Ray and the Tuner --------------------------------------------------------------------------------------------
-def trial_resources(space: SearchSpace) -> dict[str, float]:
-    """What one trial holds while it runs, summed over `trial_bundles`: its driver's CPU slice (and driver
-    resource) plus its Train workers."""
-    need: dict[str, float] = {}
-    for bundle in trial_bundles(space):
-        for k, v in bundle.items():
-            need[k] = need.get(k, 0.0) + v
-    return need
-
-
-def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
-    """One trial's demand as placement bundles: its driver, then each Train worker."""
-    t, r = space.config.train, space.resources
-    driver = {"CPU": r.trial_cpus, **({r.driver_resource: 1.0} if r.driver_resource else {})}
-    worker = {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {})}
-    return [driver] + [dict(worker) for _ in range(t.num_workers)]
-
-
-def wait_for_nodes(space: SearchSpace, say) -> None:
-    """On a cluster (RAY_ADDRESS): until the cluster's resources fit one trial, ask the autoscaler for it
-    (`request_resources`) and wait, up to `budget.wait_for_nodes_s`; then a one-line error. A cluster that already
-    fits returns at once; the request is withdrawn either way (the trials then make their own demand)."""
-    import time
-
-    import ray
-    from ray.autoscaler.sdk import request_resources
-
-    need = trial_resources(space)
-    fits = lambda have: all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
-    show = lambda d: ", ".join(f"{v:g} {k}" for k, v in sorted(d.items()) if k in need)
-    have = ray.cluster_resources()
-    if fits(have):
-        return
-    limit = space.budget.wait_for_nodes_s
-    say(f"waiting for nodes: one trial needs {show(need)}, the cluster has {show(have) or 'none of it'} "
-        f"(asked the autoscaler; giving up after {limit:g} s, budget.wait_for_nodes_s)")
-    request_resources(bundles=trial_bundles(space))
-    deadline = time.monotonic() + limit
-    try:
-        while not fits(have) and time.monotonic() < deadline:
-            time.sleep(2.0)
-            have = ray.cluster_resources()
-    finally:
-        request_resources(bundles=[])
-    if not fits(have):
-        raise UserError(f"resources: one trial needs {show(need)} but after {limit:g} s the cluster has "
-                        f"{show(have) or 'none of it'}; no node type of the cluster fits it, or the autoscaler "
-                        "could not add nodes: lower resources.* or raise budget.wait_for_nodes_s")
-
-
-def concurrency(space: SearchSpace, cluster: dict[str, float]) -> int:
-    """Trials at once: `resources.max_concurrent`, else as many as the cluster's CPUs and GPUs fit (at least 1:
-    on an autoscaling cluster the first trial waits for its nodes)."""
-    if space.resources.max_concurrent:
-        return space.resources.max_concurrent
-    fits = min(int(cluster.get(k, 0.0) / v + 1e-9) for k, v in trial_resources(space).items())
-    return max(1, fits)
-
-
 def trial_dirname(trial) -> str:
     return f"trial_{trial.trial_id}"
 

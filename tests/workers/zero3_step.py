@@ -1,7 +1,8 @@
 """Run under torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu): ZeRO-3 training steps for every method of the library
 (the three HyperPrompt variants, MTL, prompt tuning, adapter, HyperFormer++, prefix tuning, LoRA, MAM): training
 steps, synced generation with the task tensors generated and frozen (`freeze_task_params`, as evaluation does), and
-LoRA's single-task merge under `GatheredParameters`.
+LoRA's single-task merge under `GatheredParameters`, and the best weights written and read back
+(`checkpoints.save_best` / `load_best`, one parameter gathered at a time), also with every parameter persistent.
 
 Writes a JSON report per rank to argv[1]; tests/test_zero3.py asserts on it.
 """
@@ -14,8 +15,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from pyarrow import fs  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 from hpsearch.model import build_model  # noqa: E402
+from hpsearch.train.checkpoints import load_best, save_best  # noqa: E402
 from hpsearch.train.ops import load_ops, ops_for  # noqa: E402
 
 dist.init_process_group("gloo")
@@ -36,6 +40,30 @@ SETUPS = {
     "mam": ("mam", dict(mam_prefix_length=4, prefix_hidden=16, bottleneck=8, mam_scale=4.0)),
     "pha": ("pha", dict(bottleneck=8, pha_dim=8, pha_retriever_hidden=16, pha_hidden=16)),
 }
+
+
+def trained(model) -> dict:
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def best_round_trip(engine, model, batch, path) -> dict:
+    """Save the best weights, train one more step (the weights move), load them back: the gathered weights must be
+    the saved ones again; the file holds every trained parameter, whole."""
+    save_best(engine, rank, fs.LocalFileSystem(), path)
+    saved = trained(model)
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    engine.step()
+    moved = any(not torch.equal(v, saved[n]) for n, v in trained(model).items())
+    load_best(engine, rank, fs.LocalFileSystem(), path)
+    restored = all(torch.equal(v, saved[n]) for n, v in trained(model).items())
+    with safe_open(path, "pt") as f:
+        whole = set(f.keys()) == set(saved) and all(list(f.get_slice(n).get_shape()) == list(saved[n].shape)
+                                                    for n in saved)
+    return dict(moved=moved, restored=restored, whole=whole)
+
+
 report = {}
 for name, (method, hparams) in SETUPS.items():
     torch.manual_seed(0)
@@ -86,11 +114,33 @@ for name, (method, hparams) in SETUPS.items():
         expected = plain.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
                                   max_new_tokens=n_new, min_new_tokens=n_new).tolist()
         merge_equal = merged is None or all(torch.equal(v, merged[k]) for k, v in plain.merge(1).state_dict().items())
-    report[name] = dict(generated=generated, frozen=frozen, merge_equal=merge_equal, merged=merged is not None,
-                        expected=expected, plain_loss=plain_loss, losses=losses,
+    best = best_round_trip(engine, model, batch, os.path.join(sys.argv[1], f"best-{name}.safetensors"))
+    report[name] = dict(best=best, generated=generated, frozen=frozen, merge_equal=merge_equal,
+                        merged=merged is not None, expected=expected, plain_loss=plain_loss, losses=losses,
                         local_shapes=local_shapes, partitioned=partitioned, changed=changed,
                         backbone_changed=backbone_changed, extra=model.extra_parameters(),
                         plain_extra=plain.extra_parameters())
+# every parameter persistent (kept whole beside its partition, as DeepSpeed does below its threshold, 1e5 elements
+# by default): the loaded weights must reach the whole copies too
+torch.manual_seed(0)
+model = build_model("t5-tiny", "hyperprompt", ["a", "b", "c"], **SETUPS["hyperprompt-global"][1])
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+          "zero_allow_untested_optimizer": True,
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  config=config)
+best = best_round_trip(engine, model, batch, os.path.join(sys.argv[1], "best-persistent.safetensors"))
+model.eval()
+with torch.no_grad():  # the forward uses the whole copies: it must see the loaded weights
+    after = engine(**batch).loss.item()
+torch.manual_seed(0)  # the same frozen weights, if any
+plain = build_model("t5-tiny", "hyperprompt", ["a", "b", "c"], **SETUPS["hyperprompt-global"][1])
+with safe_open(os.path.join(sys.argv[1], "best-persistent.safetensors"), "pt") as f:
+    plain.load_state_dict({n: f.get_tensor(n) for n in f.keys()}, strict=False)
+plain.eval()
+with torch.no_grad():
+    expected = plain(**batch).loss.item()
+report["persistent"] = dict(best=best, loss=after, expected_loss=expected)
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
 dist.destroy_process_group()

@@ -1,0 +1,101 @@
+"""One trial's demand on the cluster: its placement bundles, how many trials fit at once, and waiting for nodes on
+an autoscaling cluster (asking the autoscaler, reading its verdict, giving up in one line)."""
+from __future__ import annotations
+
+import json
+import time
+
+from hpsearch.errors import UserError
+from hpsearch.tune.space import SearchSpace
+
+
+def trial_resources(space: SearchSpace) -> dict[str, float]:
+    """What one trial holds while it runs, summed over `trial_bundles`: its driver's CPU slice (and driver
+    resource) plus its Train workers."""
+    need: dict[str, float] = {}
+    for bundle in trial_bundles(space):
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0.0) + v
+    return need
+
+
+def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
+    """One trial's demand as placement bundles: its driver, then each Train worker."""
+    t, r = space.config.train, space.resources
+    driver = {"CPU": r.trial_cpus, **({r.driver_resource: 1.0} if r.driver_resource else {})}
+    worker = {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {})}
+    return [driver] + [dict(worker) for _ in range(t.num_workers)]
+
+
+def wait_for_nodes(space: SearchSpace, say) -> None:
+    """On a cluster (RAY_ADDRESS): until the cluster's resources fit one trial, ask the autoscaler for it
+    (`request_resources`) and wait, up to `budget.wait_for_nodes_s`; then a one-line error. A cluster that already
+    fits returns at once; the request is withdrawn either way (the trials then make their own demand)."""
+    import ray
+    from ray.autoscaler.sdk import request_resources
+
+    need = trial_resources(space)
+    fits = lambda have: all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+    show = lambda d: ", ".join(f"{v:g} {k}" for k, v in sorted(d.items()) if k in need)
+    have = ray.cluster_resources()
+    if fits(have):
+        return
+    limit = space.budget.wait_for_nodes_s
+    say(f"waiting for nodes: one trial needs {show(need)}, the cluster has {show(have) or 'none of it'} "
+        f"(asked the autoscaler; giving up after {limit:g} s, budget.wait_for_nodes_s)")
+    before = (_autoscaler_status() or {}).get("time", 0.0)  # rounds after this one have seen the request
+    request_resources(bundles=trial_bundles(space))
+    deadline, rounds, verdict = time.monotonic() + limit, {}, None
+    try:
+        while not fits(have) and time.monotonic() < deadline and verdict is None:
+            time.sleep(2.0)
+            have = ray.cluster_resources()
+            verdict = autoscaler_adds_nothing(before, _autoscaler_status(), rounds)
+    finally:
+        request_resources(bundles=[])
+    if fits(have):
+        return
+    if verdict:
+        raise UserError(f"resources: one trial needs {show(need)} but the cluster has {show(have) or 'none of it'} "
+                        f"and its autoscaler adds no node for it ({verdict}): lower resources.* or give the "
+                        "cluster a node type that fits")
+    raise UserError(f"resources: one trial needs {show(need)} but after {limit:g} s the cluster has "
+                    f"{show(have) or 'none of it'}; no node type of the cluster fits it, or the autoscaler "
+                    "could not add nodes: lower resources.* or raise budget.wait_for_nodes_s")
+
+
+def _autoscaler_status() -> dict | None:
+    """The autoscaler's last report (Ray's `__autoscaling_status` record, what `ray status` shows), if one runs."""
+    from ray._private import ray_constants
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        return json.loads(raw) if raw else None
+    except Exception:  # no record, or not readable: no verdict, the wait decides
+        return None
+
+
+def autoscaler_adds_nothing(before: float, status: dict | None, rounds: dict, needed: int = 3) -> str | None:
+    """The autoscaler's verdict on our request, from its reports (`rounds` collects them by time, across calls):
+    once `needed` of its rounds after the one at `before` (the last before the request) launched no node, started
+    none and saw none fail, it will add nothing for it (a fixed-size cluster, one at its size limit, or no node type
+    that fits), said in a few words; else None (still deciding, launching, retrying, or no autoscaler report to
+    read: then the wait decides)."""
+    report = (status or {}).get("autoscaler_report")
+    if report is not None and status.get("time", 0.0) > before:
+        rounds[status["time"]] = report
+    if any(r.get("pending_launches") or r.get("pending_nodes") or r.get("failed_nodes") for r in rounds.values()):
+        return None
+    if len(rounds) < needed:
+        return None
+    return f"{len(rounds)} of its rounds since the request launched nothing"
+
+
+def concurrency(space: SearchSpace, cluster: dict[str, float]) -> int:
+    """Trials at once: `resources.max_concurrent`, else as many as the cluster's CPUs and GPUs fit (at least 1:
+    on an autoscaling cluster the first trial waits for its nodes)."""
+    if space.resources.max_concurrent:
+        return space.resources.max_concurrent
+    fits = min(int(cluster.get(k, 0.0) / v + 1e-9) for k, v in trial_resources(space).items())
+    return max(1, fits)
