@@ -127,6 +127,9 @@ def _train(loop_config: dict, session) -> dict:
             session.release_checkpoint_dir()
             return done
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
+        lost = checkpoints.read_report(resume_dir) if getattr(session, "unregistered", False) else None
+        if lost is not None:  # a worker died before Ray took this report: its metrics reach Tune and MLflow now
+            session.report(lost, resume_dir if rank == 0 else None)
         session.release_checkpoint_dir()
     elif rank == 0:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -157,7 +160,7 @@ def _train(loop_config: dict, session) -> dict:
             evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
             logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
             if not (evaluating or logging_):
-                _maybe_crash(cfg, step, resume_dir, rank)
+                _maybe_crash(cfg, step, resume_dir, rank, wait=5.0)  # after the last report reached Tune
                 continue
             sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
             if sums["bad_ranks"]:
@@ -239,10 +242,12 @@ def finish(engine, objective, cfg, rank, best, session) -> dict:
             "output_dir": str(out_dir.resolve())}
 
 
-def _maybe_crash(cfg, step: int, resumed: str | None, rank: int) -> None:
-    """Fault injection (`train.debug_crash_at_step`): rank 0 dies at the end of that step, once (not after a restart),
-    without waiting: at an evaluation step, right after its report, before Ray Train's controller may have polled it."""
+def _maybe_crash(cfg, step: int, resumed: str | None, rank: int, wait: float = 0.0) -> None:
+    """Fault injection (`train.debug_crash_at_step`): rank 0 dies at the end of that step, once (not after a restart).
+    At an evaluation step right after its report, before Ray Train's controller may have polled it; elsewhere after
+    `wait` seconds (the last report has reached Tune)."""
     if cfg.train.debug_crash_at_step == step and not resumed and rank == 0:
+        time.sleep(wait)
         os._exit(17)
 
 
