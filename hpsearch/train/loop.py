@@ -127,7 +127,7 @@ def _train(loop_config: dict, session) -> dict:
             session.release_checkpoint_dir()
             return done
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
-        lost = checkpoints.read_report(resume_dir) if getattr(session, "unregistered", False) else None
+        lost = checkpoints.read_report(resume_dir) if session.unregistered else None
         if lost is not None:  # a worker died before Ray took this report: its metrics reach Tune and MLflow now
             session.report(lost, resume_dir if rank == 0 else None)
         session.release_checkpoint_dir()
@@ -220,7 +220,7 @@ def _zero_stage(cfg, model, device, session, rank) -> int:
     if cfg.train.use_gpu:
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
-        memory = psutil.virtual_memory().total / max(1, getattr(session, "local_world_size", 1))
+        memory = psutil.virtual_memory().total / max(1, session.local_world_size)
     memory = torch.tensor([float(memory)], device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MIN)

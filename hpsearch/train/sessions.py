@@ -23,6 +23,7 @@ class LocalSession:
         self.history: list[dict] = []
 
     rank, world_size, local_rank, local_world_size, node_rank, nodes = 0, 1, 0, 1, 0, 1
+    unregistered = False  # the checkpoint it resumes from is the user's folder
 
     def get_checkpoint_dir(self) -> str | None:
         return self.resume_from
