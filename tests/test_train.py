@@ -24,6 +24,35 @@ def run_train(*args, timeout=600, cwd=None):
                           timeout=timeout, env=env, cwd=cwd)
 
 
+# `python -m hpsearch.train` whose Ray Train run also has a callback (in Train's controller) appending the step of
+# every report Ray takes to a file: what Tune and MLflow would get in a study
+RECORDING = """
+import sys
+import ray.train
+import hpsearch.train.launch as launch
+from hpsearch.cli import run_main
+from hpsearch.train.__main__ import main
+
+class Steps(ray.train.UserCallback):  # runs in Train's controller: it holds the file's name
+    def __init__(self, path):
+        self.path = path
+
+    def after_report(self, run_context, metrics, checkpoint):
+        with open(self.path, "a") as f:
+            f.write(f"{metrics[0]['step']}\\n")
+
+build = launch.build_trainer
+launch.build_trainer = lambda *a, **k: build(*a, **{**k, "callbacks": [Steps(sys.argv[1])]})
+run_main(main, sys.argv[2:])
+"""
+
+
+def run_train_recording(steps_file, *args, timeout=600):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-c", RECORDING, str(steps_file), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
 def final_json(proc) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -209,9 +238,12 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     assert again == base  # the same result, exports included (they stay where the run wrote them)
     # a worker dies right after its step-20 report, before Ray Train's controller polled it (Train V2 polls): the
     # checkpoint is complete in storage but unknown to Ray; both ranks restart from it, not from step 0, and finish
-    proc = run_train(*args, "train.debug_crash_at_step=20", "train.max_failures=1", f"train.output_dir={tmp_path}/b")
+    steps = tmp_path / "reported_steps"
+    proc = run_train_recording(steps, *args, "train.debug_crash_at_step=20", "train.max_failures=1",
+                               f"train.output_dir={tmp_path}/b")
     crashed = final_json(proc)
     assert re.search(r"resumed from \S+ at step 20\b", proc.stdout), proc.stdout[-3000:]
+    assert steps.read_text().split() == ["20", "40"]  # Ray took step 20's report once: from the restarted run
     assert crashed["step"] == 40
     assert crashed["loss"] == pytest.approx(base["loss"], rel=1e-4)
     assert crashed["score"] == pytest.approx(base["score"], abs=1e-6)
