@@ -28,6 +28,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's current number)")
     p.add_argument("--batching", choices=("task", "mixed"), default="task",
                    help="task ids of the batch: one task (the recipe's default) or all tasks mixed")
+    p.add_argument("--memory-shape", default="t5-large", help="the shape of group memory (default: t5-large)")
     p.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP", help=f"run only these: {', '.join(GROUPS)}")
     p.add_argument("--skip", nargs="+", choices=GROUPS, metavar="GROUP", default=[], help="run all but these")
     p.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
@@ -41,8 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("--only/--skip: no group left to run")
     from hpsearch.model.backbones import NAMED_SHAPES  # imports transformers: checked last
 
-    if args.shape not in NAMED_SHAPES:
-        raise UserError(f"--shape: {args.shape!r} is not a named shape; known: {', '.join(NAMED_SHAPES)}")
+    for name in ("shape", "memory_shape"):
+        if getattr(args, name) not in NAMED_SHAPES:
+            raise UserError(f"--{name.replace('_', '-')}: {getattr(args, name)!r} is not a named shape; known: "
+                            f"{', '.join(NAMED_SHAPES)}")
     return args
 
 
@@ -81,7 +84,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
 
-    from hpsearch.bench import models, trial, zero
+    from hpsearch.bench import memory, models, trial, zero
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,6 +108,9 @@ def main(argv: list[str]) -> int:
         figures, errors = figures + f, {**errors, **e}
     if "trial" in groups:
         f, e = trial.run_trial(args.shape, log)
+        figures, errors = figures + f, {**errors, **e}
+    if "memory" in groups:
+        f, e = memory.run(args.memory_shape, log)
         figures, errors = figures + f, {**errors, **e}
     load_after = os.getloadavg()
     print(table(figures, errors))
