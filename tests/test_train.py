@@ -12,6 +12,7 @@ import pytest
 
 from hpsearch.config import load_config
 from hpsearch.errors import ConfigError
+from hpsearch.train import startup
 from hpsearch.train.launch import free_port
 
 FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "train.micro_batch_size=16",
@@ -133,7 +134,14 @@ def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():
 # ---- local loop ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_local_run_resume_equals_uninterrupted(tmp_path):
-    full = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/full"))
+    proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full")
+    full = final_json(proc)
+    # where the start-up went, from the process's start to the end of step 1: its phases add up to the total
+    phases = startup.parse(proc.stdout)
+    assert list(phases) == ["total_s", "imports", "model and data", "DeepSpeed",
+                            "step 1 (with resume and tokenization)"]
+    assert sum(list(phases.values())[1:]) == pytest.approx(phases["total_s"], abs=0.25)
+    assert phases["imports"] > 0.5  # counted from the process's start (python, torch), not from the loop's
     assert full["step"] == 40 and set(full["tasks"]) and full["output_dir"] == str(tmp_path / "full")
     assert (tmp_path / "full" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "full" / "task_params" / "task_params.safetensors").is_file()
@@ -223,8 +231,13 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
 @pytest.mark.slow
 def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     args = [*FAST, "train.num_workers=2", "train.micro_batch_size=8", "train.zero_stage=3"]  # partitioned
-    base = final_json(run_train(*args, "train.output_dir=a", cwd=tmp_path))  # relative: this directory's
+    base_proc = run_train(*args, "train.output_dir=a", cwd=tmp_path)
+    base = final_json(base_proc)  # output_dir relative: this directory's
     assert base["output_dir"] == str(tmp_path / "a")
+    phases = startup.parse(base_proc.stdout)  # the driver's phases, then the worker's (rank 0 prints them)
+    assert list(phases)[1:5] == ["driver imports and checks", "Ray start", "trainer set-up",
+                                 "Train controller and worker group"]
+    assert sum(list(phases.values())[1:]) == pytest.approx(phases["total_s"], abs=0.5)
     for name in ("config.yaml", "metrics.jsonl", "model/model.safetensors", "task_params/task_params.safetensors"):
         assert (tmp_path / "a" / name).is_file(), name
     history = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
@@ -353,3 +366,14 @@ def test_prefetch_hands_out_the_same_batches_and_the_state_before_the_pending_on
         assert torch.equal(resumed()["rows"], plain()["rows"])
     finally:
         batches.close()
+
+
+def test_startup_line_names_each_phase_in_order_and_reads_back():
+    marks = {"fit": 100.0, "process": 90.0, "worker": 107.5, "imports": 109.0, "step": 111.0}  # a subset, unordered
+    text = startup.line(marks)
+    assert text == ("start-up 21.0 s to the end of step 1: trainer set-up 10.0 s, Train controller and worker group "
+                    "7.5 s, imports 1.5 s, step 1 (with resume and tokenization) 2.0 s")
+    assert startup.parse(f"noise\n[hpsearch.train] {text}\nmore") == {
+        "total_s": 21.0, "trainer set-up": 10.0, "Train controller and worker group": 7.5, "imports": 1.5,
+        "step 1 (with resume and tokenization)": 2.0}
+    assert startup.parse("no such line") is None

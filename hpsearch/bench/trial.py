@@ -3,7 +3,8 @@
 trial: wall time of a trial at two step counts (one evaluation each, at the end), with Ray Train and with
     `--local`; the fixed cost is the intercept of wall time vs steps. One run per point (each takes a minute
     or more), after an untimed `--local` warm-up that fills the page cache and the tokenizer cache. Every step
-    is logged, and the time its line appears splits a run into start-up, steps, and the end (parts).
+    is logged, and the time its line appears splits a run into start-up, steps, and the end (parts); the run's own
+    start-up line (hpsearch/train/startup.py) splits the start-up into its phases.
 checkpoint: one `--local` run evaluating after each of 2 steps; bytes the process wrote (`wchar` of
     /proc/self/io, read at exit) minus its final outputs (export, metrics), per evaluation, over the bytes of
     the model's weights (each parameter once); plus what the best weights, checkpoints/ and the export keep on disk.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpsearch.bench.timing import Figure
+from hpsearch.train import startup
 
 TRIAL_STEPS = (2, 8)
 FIXED_COST_GOAL = 6.0
@@ -50,10 +52,11 @@ class Run:
     wall: float        # start to exit
     first_step: float  # start to the log line of step 1 (imports, Ray, workers, DeepSpeed, data, step 1)
     last_step: float   # start to the log line of the last step (then: evaluation, export, test, shutdown)
+    startup: dict | None = None  # the run's start-up line: total and phases, seconds
 
     def to_json(self) -> dict:
         return {"wall_s": self.wall, "start_to_first_step_s": self.first_step,
-                "last_step_to_exit_s": self.wall - self.last_step}
+                "last_step_to_exit_s": self.wall - self.last_step, "startup": self.startup}
 
 
 def _train(args: list[str], cwd: Path, log, env: dict | None = None, script: str | None = None) -> Run:
@@ -62,13 +65,14 @@ def _train(args: list[str], cwd: Path, log, env: dict | None = None, script: str
            "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     cmd = [sys.executable, *(["-c", script] if script else ["-m", "hpsearch.train"]), *args, "train.log_every=1"]
     start = time.perf_counter()
-    steps, tail = [], []
+    steps, tail, startup_line = [], [], None
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         watchdog = threading.Timer(TIMEOUT_S, proc.kill)
         watchdog.start()
         for line in proc.stdout:  # Ray forwards the workers' lines to the driver's output
             if _STEP_LINE.search(line):
                 steps.append(time.perf_counter() - start)
+            startup_line = startup_line or startup.parse(line)
             tail = [*tail[-20:], line.strip()]
         returncode = proc.wait()
         watchdog.cancel()
@@ -77,7 +81,7 @@ def _train(args: list[str], cwd: Path, log, env: dict | None = None, script: str
     if returncode != 0 or not steps:
         last = next((ln for ln in reversed(tail) if ln), "(no output)")
         raise RuntimeError(f"hpsearch.train {' '.join(args)} exited {returncode}: {last[:300]}")
-    return Run(wall, steps[0], steps[-1])
+    return Run(wall, steps[0], steps[-1], startup_line)
 
 
 def _overrides(shape: str, out: Path, steps: int, eval_every: int) -> list[str]:
@@ -113,10 +117,11 @@ def run_trial(shape: str, log) -> tuple[list, dict]:
         figures.append(Figure(f"trial/{'fixed_cost' if mode == 'ray' else 'local_fixed_cost'}", fixed, goal,
                               "lower", "s", what, parts={"per_step_s": per_step,
                                                          "runs": {str(n): r.to_json() for n, r in runs[mode].items()}}))
-    first = min(r.first_step for r in runs["ray"].values())
-    figures.append(Figure("trial/start_to_first_step", first, None, "lower", "s",
-                          "Ray trial: start to the end of step 1, the shorter of the two runs (contrast)",
-                          parts={"runs": {str(n): r.to_json() for n, r in runs["ray"].items()}}))
+    first = min(runs["ray"].values(), key=lambda r: r.first_step)
+    figures.append(Figure("trial/start_to_first_step", first.first_step, None, "lower", "s",
+                          "Ray trial: start to the end of step 1, the shorter of the two runs (contrast); parts: "
+                          "its start-up phases", parts={"phases_s": first.startup,
+                                                        "runs": {str(n): r.to_json() for n, r in runs["ray"].items()}}))
     return figures, {}
 
 

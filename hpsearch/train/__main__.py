@@ -14,6 +14,7 @@ from hpsearch.train import checkpoints
 from hpsearch.train.launch import TrainingFailed, run_with_ray
 from hpsearch.train.loop import NonFiniteLoss, train_loop
 from hpsearch.train.sessions import LocalSession
+from hpsearch.train.startup import process_start
 
 
 def main(argv: list[str]) -> int:
@@ -39,7 +40,8 @@ def main(argv: list[str]) -> int:
             print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)
             cfg.train.num_workers = 1
         try:
-            metrics = train_loop({"run": cfg.to_dict()}, LocalSession(cfg, args.resume_from))
+            metrics = train_loop({"run": cfg.to_dict(), "startup": {"process": process_start()}},
+                                 LocalSession(cfg, args.resume_from))
         except NonFiniteLoss as e:
             raise TrainingFailed(str(e)) from None
     else:

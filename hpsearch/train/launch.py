@@ -18,8 +18,9 @@ def free_port() -> int:
 
 
 def _ray_train_loop(loop_config: dict) -> None:
+    startup = {**(loop_config.get("startup") or {}), "worker": time.time()}  # before this worker's imports
     from hpsearch.train.loop import train_loop
-    train_loop(loop_config)
+    train_loop({**loop_config, "startup": startup})
 
 
 def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
@@ -62,13 +63,14 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
 
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
                   system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None,
-                  storage_filesystem=None, export_to: tuple | None = None):
+                  storage_filesystem=None, export_to: tuple | None = None, startup: dict | None = None):
     """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
     checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
     `system_metrics`: {tracking_uri, run_id, interval}, sampled by the first rank of each node. `objective`, `options`:
     what the loop trains on ("module:Class" and its options; default the suite's fine-tuning, see objective.py).
     `storage_filesystem`: a pyarrow filesystem `storage_path` is in (a bucket); `export_to`: (path, filesystem)
-    rank 0 copies the run's exports to when it finishes (a study in a bucket)."""
+    rank 0 copies the run's exports to when it finishes (a study in a bucket). `startup`: the caller's start-up
+    marks (startup.py); `fit` is added when this is built."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -83,7 +85,8 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
         loop,
         train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
                            else None, "system_metrics": system_metrics, "objective": objective,
-                           "options": options, "export_to": export_to},
+                           "options": options, "export_to": export_to,
+                           "startup": {**(startup or {}), "fit": time.time()}},
         torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),
@@ -100,13 +103,16 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None, *, objective: str | No
     import ray
     import ray.train
 
+    from hpsearch.train.startup import process_start
+    marks = {"process": process_start(), "ray": time.time()}
     started = not ray.is_initialized()
     if started:
         init_ray(cfg)
+    marks["ray_up"] = time.time()
     storage = str(Path(cfg.train.output_dir, "ray").resolve())
     name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
     trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from=resume_from, objective=objective,
-                            options=options, callbacks=callbacks)
+                            options=options, callbacks=callbacks, startup=marks)
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps a worker's error; surface its reason in one line

@@ -12,7 +12,7 @@ import torch
 
 from hpsearch.config import load_config
 from hpsearch.errors import UserError
-from hpsearch.train import checkpoints
+from hpsearch.train import checkpoints, startup
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, lr_lambda
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
@@ -90,6 +90,7 @@ def _train(loop_config: dict, session) -> dict:
         torch.set_flush_denormal(True)  # subnormal floats (tiny optimizer moments, late in training) are slow on CPU
     import deepspeed
 
+    marks = {**(loop_config.get("startup") or {}), "imports": time.time()}  # start-up phases (startup.py)
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
@@ -99,6 +100,7 @@ def _train(loop_config: dict, session) -> dict:
 
     objective = load_objective(loop_config.get("objective"))(cfg, rank, world, loop_config.get("options"))
     model, sampler = objective.model, objective.sampler
+    marks["model"] = time.time()
     torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     extra_params = model.extra_parameters()["total"]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -107,6 +109,7 @@ def _train(loop_config: dict, session) -> dict:
     stage = _zero_stage(cfg, model, device, session, rank)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, world, stage))  # the engine steps both
+    marks["engine"] = time.time()
     step, best = 0, {"score": -math.inf, "step": 0}
     out_dir = Path(cfg.train.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,11 +159,13 @@ def _train(loop_config: dict, session) -> dict:
                 window.add(step + 1, loss, batch["attention_mask"].sum() + (batch["labels"] != -100).sum(),
                            getattr(out, "aux_losses", {}), cfg.train.grad_accum)
             step += 1
+            if step == steps_at_start + 1:
+                _rank0_print(rank, startup.line({**marks, "step": time.time()}))
             loss_n, log_n = loss_n + 1, log_n + 1
             evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
             logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
             if not (evaluating or logging_):
-                _maybe_crash(cfg, step, resume_dir, rank, wait=5.0)  # after the last report reached Tune
+                _maybe_crash(cfg, step, resume_dir, rank)
                 continue
             sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
             if sums["bad_ranks"]:
@@ -242,12 +247,10 @@ def finish(engine, objective, cfg, rank, best, session) -> dict:
             "output_dir": str(out_dir.resolve())}
 
 
-def _maybe_crash(cfg, step: int, resumed: str | None, rank: int, wait: float = 0.0) -> None:
-    """Fault injection (`train.debug_crash_at_step`): rank 0 dies at the end of that step, once (not after a restart).
-    At an evaluation step right after its report, before Ray Train's controller may have polled it; elsewhere after
-    `wait` seconds (the last report has reached Tune)."""
+def _maybe_crash(cfg, step: int, resumed: str | None, rank: int) -> None:
+    """Fault injection (`train.debug_crash_at_step`): rank 0 dies at the end of that step, once (not after a restart),
+    at once: at an evaluation step right after its report, so possibly before Ray Train's controller polled it."""
     if cfg.train.debug_crash_at_step == step and not resumed and rank == 0:
-        time.sleep(wait)
         os._exit(17)
 
 

@@ -1,0 +1,54 @@
+"""Where a run's start-up goes: wall-clock marks from the driver's start to the end of the first step.
+
+The driver marks its own phases (`python -m hpsearch.train`: its process start, Ray's start, the trainer's `fit`)
+and hands them to the workers in the loop config; rank 0 adds its own and prints one line at the end of step 1:
+
+    [hpsearch.train] start-up 17.9 s to the end of step 1: driver 4.4 s, Ray start 3.5 s, ...
+
+`python -m hpsearch.bench` (group `trial`) reads that line for its breakdown of a trial's fixed cost.
+"""
+from __future__ import annotations
+
+import re
+
+# (mark, what the time from the previous mark to this one went to), in order; a run has a subset of them
+PHASES = (
+    ("process", ""),  # the driver's process start: where the count begins
+    ("ray", "driver imports and checks"),
+    ("ray_up", "Ray start"),
+    ("fit", "trainer set-up"),
+    ("worker", "Train controller and worker group"),
+    ("imports", "imports"),
+    ("model", "model and data"),
+    ("engine", "DeepSpeed"),
+    ("step", "step 1 (with resume and tokenization)"),
+)
+_LABELS = dict(PHASES)
+_LINE = re.compile(r"start-up (\d+\.\d+) s to the end of step 1: (.*)$")
+
+
+def process_start() -> float:
+    """This process's start (wall clock), from the OS."""
+    import psutil
+    return psutil.Process().create_time()
+
+
+def line(marks: dict[str, float]) -> str:
+    """The start-up line: the total from the first mark to the last, and each phase's share."""
+    present = [(name, marks[name]) for name, _ in PHASES if name in marks]
+    parts = [f"{_LABELS[name]} {max(t - t_prev, 0.0):.1f} s"
+             for (_, t_prev), (name, t) in zip(present, present[1:])]
+    return f"start-up {present[-1][1] - present[0][1]:.1f} s to the end of step 1: {', '.join(parts)}"
+
+
+def parse(text: str) -> dict | None:
+    """{"total_s": ..., "<phase>": seconds, ...} from a start-up line in `text`, or None."""
+    for candidate in reversed(text.splitlines()):
+        match = _LINE.search(candidate)
+        if match:
+            parts = {"total_s": float(match.group(1))}
+            for part in match.group(2).split(", "):
+                label, _, seconds = part.rpartition(" ")[0].rpartition(" ")
+                parts[label] = float(seconds)
+            return parts
+    return None
