@@ -223,6 +223,13 @@ def test_autoscaler_verdict_needs_rounds_after_the_request_that_launch_nothing()
         for t in (105.0, 110.0, 115.0, 120.0):
             report = busy if t == 110.0 else {}
             assert autoscaler_adds_nothing(100.0, status(t, **report), rounds) is None, busy
+    # a node lost before the request stays in every report (Ray keeps its failures): not a sign of work for us
+    lost = {"failed_nodes": [["10.0.0.3", "worker"]]}
+    rounds = {}
+    assert [autoscaler_adds_nothing(100.0, status(t, **lost), rounds, failed_before=[("10.0.0.3", "worker")])
+            for t in (105.0, 110.0)] == [None, None]
+    assert "3 of its rounds" in autoscaler_adds_nothing(100.0, status(115.0, **lost), rounds,
+                                                        failed_before=[["10.0.0.3", "worker"]])
     rounds = {}  # no autoscaler report at all (no autoscaler, or its v2 that keeps none here): the wait decides
     assert all(autoscaler_adds_nothing(0.0, {"time": t}, rounds) is None for t in range(1, 10))
 

@@ -43,14 +43,16 @@ def wait_for_nodes(space: SearchSpace, say) -> None:
     limit = space.budget.wait_for_nodes_s
     say(f"waiting for nodes: one trial needs {show(need)}, the cluster has {show(have) or 'none of it'} "
         f"(asked the autoscaler; giving up after {limit:g} s, budget.wait_for_nodes_s)")
-    before = (_autoscaler_status() or {}).get("time", 0.0)  # rounds after this one have seen the request
+    last = _autoscaler_status() or {}
+    before = last.get("time", 0.0)  # rounds after this one have seen the request
+    failed_before = (last.get("autoscaler_report") or {}).get("failed_nodes") or ()  # the autoscaler's history
     request_resources(bundles=trial_bundles(space))
     deadline, rounds, verdict = time.monotonic() + limit, {}, None
     try:
         while not fits(have) and time.monotonic() < deadline and verdict is None:
             time.sleep(2.0)
             have = ray.cluster_resources()
-            verdict = autoscaler_adds_nothing(before, _autoscaler_status(), rounds)
+            verdict = autoscaler_adds_nothing(before, _autoscaler_status(), rounds, failed_before=failed_before)
     finally:
         request_resources(bundles=[])
     if fits(have):
@@ -76,16 +78,20 @@ def _autoscaler_status() -> dict | None:
         return None
 
 
-def autoscaler_adds_nothing(before: float, status: dict | None, rounds: dict, needed: int = 3) -> str | None:
+def autoscaler_adds_nothing(before: float, status: dict | None, rounds: dict, needed: int = 3,
+                            failed_before=()) -> str | None:
     """The autoscaler's verdict on our request, from its reports (`rounds` collects them by time, across calls):
     once `needed` of its rounds after the one at `before` (the last before the request) launched no node, started
-    none and saw none fail, it will add nothing for it (a fixed-size cluster, one at its size limit, or no node type
+    none and saw no node fail that had not failed before the request (`failed_before`: Ray lists every node it ever
+    lost in each report), it will add nothing for it (a fixed-size cluster, one at its size limit, or no node type
     that fits), said in a few words; else None (still deciding, launching, retrying, or no autoscaler report to
     read: then the wait decides)."""
     report = (status or {}).get("autoscaler_report")
     if report is not None and status.get("time", 0.0) > before:
         rounds[status["time"]] = report
-    if any(r.get("pending_launches") or r.get("pending_nodes") or r.get("failed_nodes") for r in rounds.values()):
+    known = {tuple(node) for node in failed_before}
+    if any(r.get("pending_launches") or r.get("pending_nodes") or
+           {tuple(node) for node in r.get("failed_nodes") or ()} - known for r in rounds.values()):
         return None
     if len(rounds) < needed:
         return None
