@@ -5,11 +5,22 @@
 The one package that knows DeepSpeed. The same `train_loop` runs in Ray Train workers (`build_trainer`, also used
 by the search) and, with `--local`, in this process without Ray, for debugging. One concern a file: `dsconfig`
 (the DeepSpeed config), `sessions` (where reports and checkpoints go), `loop` (the loop on each rank), `evaluate`
-(validation and test scoring), `launch` (Ray and Ray Train), `__main__` (the command line).
-"""
-from hpsearch.train.dsconfig import deepspeed_config, lr_lambda, use_bf16
-from hpsearch.train.launch import TrainingFailed, build_trainer, failure_reason, free_port, init_ray, run_with_ray
-from hpsearch.train.loop import NonFiniteLoss, train_loop
+(validation and test scoring), `launch` (Ray and Ray Train), `startup` (where a run's start-up goes), `__main__`
+(the command line).
 
-__all__ = ["NonFiniteLoss", "TrainingFailed", "build_trainer", "deepspeed_config", "failure_reason", "free_port",
-           "init_ray", "lr_lambda", "run_with_ray", "train_loop", "use_bf16"]
+The names below are imported when first used: Ray Train's controller and workers unpickle the loop's entry point
+and the rendezvous config from this package, and importing DeepSpeed, transformers and the model library there
+(about 6 s here) would delay every trial's start.
+"""
+import importlib
+
+_EXPORTS = {"deepspeed_config": "dsconfig", "lr_lambda": "dsconfig", "use_bf16": "dsconfig",
+            "TrainingFailed": "launch", "build_trainer": "launch", "failure_reason": "launch", "free_port": "launch",
+            "init_ray": "launch", "run_with_ray": "launch", "NonFiniteLoss": "loop", "train_loop": "loop"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"hpsearch.train.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'hpsearch.train' has no attribute {name!r}")

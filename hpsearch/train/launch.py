@@ -6,9 +6,12 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpsearch.config import RunConfig
 from hpsearch.errors import UserError
+
+if TYPE_CHECKING:  # Ray Train's processes import this module for `_ray_train_loop`: keep it light
+    from hpsearch.config import RunConfig
 
 
 def free_port() -> int:
