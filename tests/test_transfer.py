@@ -54,7 +54,9 @@ def trained_and_grown(name, source):
 @pytest.mark.parametrize("name", SETUPS)
 def test_grown_model_keeps_old_tasks_and_copies_the_source_task(name, batch):
     trained, grown = trained_and_grown(name, source=1)
-    assert torch.equal(logits(grown, batch), logits(trained, batch))  # old tasks untouched
+    # old tasks untouched: equal up to float rounding (Global and PHA compute over every task at once, and a batched
+    # product over 4 tasks may round differently from one over 3 on some CPUs: 1.3e-6 measured on an AMD EPYC)
+    assert (logits(grown, batch) - logits(trained, batch)).abs().max() <= 1e-5
     as_new = logits(grown, {**batch, "task_ids": torch.full((4,), 3)})
     as_source = logits(trained, {**batch, "task_ids": torch.full((4,), 1)})
     assert (as_new - as_source).abs().max() <= 1e-5  # the new task starts as task 1
