@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,6 @@ from pathlib import Path
 
 from hpsearch.bench.timing import Figure
 
-SHAPE = "t5-large"
 WORLD = 2
 GOAL_OTHER_RANKS = 0.1  # a rank other than 0 holds at most about one whole parameter beyond its shard
 TIMEOUT_S = 1800
@@ -36,23 +34,25 @@ class Peak:
     def __init__(self):
         import psutil
         self.process, self.phases, self._phase, self._start, self._peak = psutil.Process(), {}, None, 0, 0
+        self._lock = threading.Lock()  # a sample taken in one phase must not land in the next
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self):
         while not self._stop.is_set():
-            rss = self.process.memory_info().rss
-            self._peak = max(self._peak, rss)
+            with self._lock:
+                self._peak = max(self._peak, self.process.memory_info().rss)
             time.sleep(0.005)
 
     def phase(self, name: str | None):
         """End the current phase (record its peak rise) and start `name`."""
-        rss = self.process.memory_info().rss
-        self._peak = max(self._peak, rss)
-        if self._phase:
-            self.phases[self._phase] = self._peak - self._start
-        self._phase, self._start, self._peak = name, rss, rss
+        with self._lock:
+            rss = self.process.memory_info().rss
+            self._peak = max(self._peak, rss)
+            if self._phase:
+                self.phases[self._phase] = self._peak - self._start
+            self._phase, self._start, self._peak = name, rss, rss
         if name is None:
             self._stop.set()
 
@@ -94,9 +94,9 @@ def rank_main(shape: str, mode: str, out: str) -> None:
 
 
 def _spawn(shape: str, mode: str, tmp: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from hpsearch.train.launch import free_port
+
+    port = free_port()
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),

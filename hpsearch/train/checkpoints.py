@@ -120,18 +120,28 @@ def _trained(engine):
     return [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
 
 
+def gather_on_rank0(named, rank: int) -> dict:
+    """{name: whole tensor, on the CPU} on rank 0 ({name: None} elsewhere) from (name, tensor) pairs. ZeRO-3
+    parameters are gathered one at a time, so no rank but 0 holds more than one whole parameter beyond its shard; a
+    tensor under several names (tied weights) is gathered once. Every rank calls this (the gathers are collective)."""
+    import deepspeed
+
+    state, seen = {}, {}
+    for name, tensor in named:
+        if id(tensor) not in seen:
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):  # not a ZeRO-3 parameter: no-op
+                seen[id(tensor)] = tensor.detach().cpu().clone() if rank == 0 else None
+        state[name] = seen[id(tensor)]
+    return state
+
+
 def save_best(engine, rank: int, filesystem, path: str) -> None:
     """Rank 0 writes the weights training changes as safetensors at `path` of a pyarrow `filesystem`, in their
     training dtype (16-bit when training is): weights only, no optimizer state. Under ZeRO-3 the parameters are
     gathered one at a time, so no rank holds more than one full parameter beyond its shard. Every rank calls this."""
-    import deepspeed
     from safetensors.torch import save
 
-    state = {}
-    for name, p in _trained(engine):
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-            if rank == 0:
-                state[name] = p.detach().cpu().clone()
+    state = gather_on_rank0(_trained(engine), rank)
     if rank == 0:
         filesystem.create_dir(path.rsplit("/", 1)[0])
         with filesystem.open_output_stream(path) as out:

@@ -32,15 +32,9 @@ def gathered_state(engine, rank: int, use) -> None:
     """Call `use(state)` on rank 0 with the full state dict on the CPU; every rank must call this. Under ZeRO-3 the
     parameters are gathered one at a time, so rank 0 alone builds the full CPU copy and no other rank ever holds
     more than one whole parameter beyond its shard (a t5-3b export does not put the model on every rank)."""
-    import deepspeed
+    from hpsearch.train.checkpoints import gather_on_rank0
 
-    state, seen = {}, {}
-    for name, tensor in engine.module.state_dict(keep_vars=True).items():  # tied weights: one gather, every key
-        if id(tensor) not in seen:
-            with deepspeed.zero.GatheredParameters([tensor] if hasattr(tensor, "ds_id") else [],
-                                                   modifier_rank=None):
-                seen[id(tensor)] = tensor.detach().cpu().clone() if rank == 0 else None
-        state[name] = seen[id(tensor)]
+    state = gather_on_rank0(engine.module.state_dict(keep_vars=True).items(), rank)
     if rank == 0:
         use(state)
 
