@@ -31,6 +31,7 @@ class TrainConfig:
     gpus_per_worker: float = 1.0
     precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
     zero_stage: int | str = "auto"        # 0-3, or auto: 0 when the training state fits a worker, else 3
+    zero_init: bool | str = "auto"        # stage 3: build under deepspeed.zero.Init (auto: on GPU workers)
     offload_optimizer: bool = False       # ZeRO-Offload of optimizer states to CPU
     offload_params: bool = False          # ZeRO-Infinity style parameter offload to CPU (stage 3)
     micro_batch_size: int = 16            # per worker
@@ -64,6 +65,8 @@ class TrainConfig:
                               "CPU runs use fp32")
         if self.zero_stage not in (0, 1, 2, 3, "auto"):
             raise ConfigError(f"train.zero_stage: {self.zero_stage!r} is not one of 0, 1, 2, 3, auto")
+        if self.zero_init not in (True, False, "auto"):
+            raise ConfigError(f"train.zero_init: {self.zero_init!r} is not one of true, false, auto")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ConfigError("train.offload_optimizer: optimizer offload needs train.zero_stage >= 1")
         if self.offload_params and self.zero_stage not in (3, "auto"):

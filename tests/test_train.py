@@ -81,6 +81,11 @@ def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     assert trainer.backend_config.backend == "nccl"
     cpu = deepspeed_config(load_config(), world_size=2)
     assert not cpu["bf16"]["enabled"] and cpu["zero_optimization"]["stage"] == 3
+    # ZeRO's buffers sized to the model (Hugging Face's "auto" values), not DeepSpeed's 5e8-element defaults
+    sized = DeepSpeedConfig(deepspeed_config(load_config(), 2, 3, hidden=768)).zero_config
+    assert sized.reduce_bucket_size == 768**2 and sized.prefetch_bucket_size == int(0.9 * 768**2)
+    assert sized.param_persistence_threshold == 7680
+    assert DeepSpeedConfig(cpu).zero_config.reduce_bucket_size == 5e8  # without the model's size: DeepSpeed's own
 
 
 def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_does_not():
@@ -99,6 +104,12 @@ def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_d
     assert fixed.train.zero_stage == 1 and deepspeed_config(fixed, 2, 0)["zero_optimization"]["stage"] == 1
     with pytest.raises(ConfigError, match="train.zero_stage: 'four' is not one of 0, 1, 2, 3, auto"):
         load_config(None, ["train.zero_stage=four"])
+    with pytest.raises(ConfigError, match="train.zero_init: 'sometimes' is not one of true, false, auto"):
+        load_config(None, ["train.zero_init=sometimes"])
+    from hpsearch.train.build import use_zero_init
+
+    assert [use_zero_init(s, gpu) for s in ("auto", True, False) for gpu in (False, True)] == [
+        False, True, True, True, False, False]  # auto: on GPU workers, whose shards live in device memory
 
 
 def test_bad_override_is_one_line_error():
@@ -253,8 +264,10 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     # checkpoint is complete in storage but unknown to Ray; both ranks restart from it, not from step 0, and finish
     steps = tmp_path / "reported_steps"
     proc = run_train_recording(steps, *args, "train.debug_crash_at_step=20", "train.max_failures=1",
-                               f"train.output_dir={tmp_path}/b")
-    crashed = final_json(proc)
+                               "train.zero_init=true", f"train.output_dir={tmp_path}/b")
+    crashed = final_json(proc)  # also built under zero.Init (on CPU workers only on request): the same run
+    assert "model built under deepspeed.zero.Init" in proc.stdout
+    assert "model built under deepspeed.zero.Init" not in base_proc.stdout
     assert re.search(r"resumed from \S+ at step 20\b", proc.stdout), proc.stdout[-3000:]
     assert steps.read_text().split() == ["20", "40"]  # Ray took step 20's report once: from the restarted run
     assert crashed["step"] == 40

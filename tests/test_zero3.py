@@ -49,3 +49,32 @@ def test_zero3_step_every_method(tmp_path):
     for rep in reports:  # every parameter persistent (whole copies beside the partitions): the forward sees them
         assert rep["persistent"]["best"] == {"moved": True, "restored": True, "whole": True}, rep["persistent"]
         assert abs(rep["persistent"]["loss"] - rep["persistent"]["expected_loss"]) < 1e-5, rep["persistent"]
+
+
+def test_zero3_build_under_zero_init_equals_the_whole_build(tmp_path):
+    """The recipe's ZeRO-3 build (`hpsearch.train.build.ModelBuilder`): only rank 0 builds the whole model; every rank
+    builds the structure under `deepspeed.zero.Init` (partitioned from the start) and receives rank 0's values. For
+    every method setup of the shared tester, the gathered weights equal a whole build's, parameter by parameter."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    worker = Path(__file__).parent / "workers" / "zero3_build.py"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_addr", "127.0.0.1", "--master_port", str(port), str(worker), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from test_methods import SETUPS
+
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"build{rank}.json").read_text())
+        assert report.pop("buffer_module") == {"buffer": True, "params": True}  # buffers come from rank 0 too
+        assert set(report) == set(SETUPS)
+        for name, r in report.items():
+            assert r["stage"] == 3 and r["partitioned"], name  # every parameter partitioned on every rank
+            assert r["made_on"] == ([0] if rank == 0 else []), name  # the whole model: rank 0 alone
+            assert r["names_equal"] and r["tied"], name
+            assert r["equal"] and all(r["equal"].values()), (name, [n for n, e in r["equal"].items() if not e])
+            assert r["requires_grad_equal"] and r["buffers_equal"], name
+            # stages 0-2: every rank builds the whole model itself, the same weights
+            assert r["stage0_made_on"] == [rank] and r["stage0_whole"] and r["stage0_equal"], name

@@ -1,7 +1,7 @@
 """`python -m hpsearch.bench`: the project's own speed, as ratios measured interleaved in one run (issue 12).
 
     python -m hpsearch.bench [--shape t5-small] [--tasks 8] [--reps 7] [--threads N] [--batching task|mixed]
-                             [--memory-shape t5-large]
+                             [--memory-shape t5-large] [--memory-world 2]
                              [--only GROUP ...] [--skip GROUP ...] [--json]
 
 Groups (all by default; `--only` / `--skip` select):
@@ -12,8 +12,9 @@ Groups (all by default; `--only` / `--skip` select):
     checkpoint  bytes a `--local` run writes per evaluation, and what the best weights and checkpoints keep
     trial       fixed cost of a trial: `python -m hpsearch.train` at two step counts, with Ray and --local
                 (subprocesses, a few minutes even at t5-tiny: `--skip trial` for a quick look)
-    memory      peak host memory of 2 ZeRO-3 ranks building, partitioning and exporting `--memory-shape`
-                (default t5-large: ~12 GB of RAM at its peak, a few minutes)
+    memory      peak host memory of `--memory-world` (2) ZeRO-3 ranks building (the recipe's zero.Init build, and
+                the whole model on every rank for contrast), initialising DeepSpeed and exporting `--memory-shape`
+                (default t5-large: ~15 GB of RAM at its peak, a few minutes)
 
 `step`, `generate` and `flops` share one interleaved pool (one warm-up round, then `--reps` rounds); `deepspeed`
 has its own. Figures are ratios of minimum times; each is printed beside its goal, `--json` adds one JSON

@@ -29,6 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batching", choices=("task", "mixed"), default="task",
                    help="task ids of the batch: one task (the recipe's default) or all tasks mixed")
     p.add_argument("--memory-shape", default="t5-large", help="the shape of group memory (default: t5-large)")
+    p.add_argument("--memory-world", type=int, default=2, help="the ranks of group memory, one process each (2)")
     p.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP", help=f"run only these: {', '.join(GROUPS)}")
     p.add_argument("--skip", nargs="+", choices=GROUPS, metavar="GROUP", default=[], help="run all but these")
     p.add_argument("--json", action="store_true", help="also print one JSON object on the last line")
@@ -40,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.groups = [g for g in (args.only or GROUPS) if g not in args.skip]
     if not args.groups:
         raise UserError("--only/--skip: no group left to run")
+    if not 2 <= args.memory_world <= 16:
+        raise UserError(f"--memory-world: {args.memory_world} is out of range; expected 2 to 16 ranks")
     from hpsearch.model.backbones import NAMED_SHAPES  # imports transformers: checked last
 
     for name in ("shape", "memory_shape"):
@@ -110,7 +113,7 @@ def main(argv: list[str]) -> int:
         f, e = trial.run_trial(args.shape, log)
         figures, errors = figures + f, {**errors, **e}
     if "memory" in groups:
-        f, e = memory.run(args.memory_shape, log)
+        f, e = memory.run(args.memory_shape, log, args.memory_world)
         figures, errors = figures + f, {**errors, **e}
     load_after = os.getloadavg()
     print(table(figures, errors))

@@ -1,13 +1,15 @@
 """Group `memory`: peak host memory of each of 2 ZeRO-3 ranks building, partitioning and exporting a model.
 
-Two ranks (processes, gloo) run what the training recipe does before and after training: build the model (every
-rank, the same weights), `deepspeed.initialize` with the recipe's ZeRO-3 config (partitions it), then export its
-full state to rank 0. Each rank samples its resident memory (RSS) every few ms; a phase's figure is the peak rise
-above the RSS at the phase's start, over the model's weight bytes. The export runs two ways, each in fresh processes
-(freed memory is not always returned to the OS, so a second phase in the same process would read low):
-- `one at a time` (`hpsearch.train.objective.gathered_state`, what the recipe does): parameters are gathered one by
-  one and rank 0 alone keeps the full CPU copy;
-- `all at once` (before, for contrast): every rank gathers every parameter, then rank 0 copies the state.
+Two ranks (processes, gloo) run what the training recipe does before and after training: build the model,
+`deepspeed.initialize` with the recipe's ZeRO-3 config, then export its full state to rank 0. Each rank samples its
+resident memory (RSS) every few ms; a phase's figure is the peak rise above the RSS at the phase's start, over the
+model's weight bytes. Two runs, each in fresh processes (freed memory is not always returned to the OS, so a second
+phase in the same process would read low):
+- `recipe`: the build of `hpsearch.train.build` (rank 0 builds the whole model, every rank its partitions under
+  `deepspeed.zero.Init`, filled from rank 0 one parameter at a time) and the export of
+  `hpsearch.train.objective.gathered_state` (parameters gathered one by one, rank 0 alone keeps the full CPU copy);
+- `before` (for contrast): every rank builds the whole model, `deepspeed.initialize` partitions it; every rank
+  gathers every parameter at once to export.
 The shape is t5-large (738 M parameters, ~3 GB of fp32 weights per full copy) unless `--memory-shape` says else.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from hpsearch.bench.timing import Figure
 
-WORLD = 2
+WORLD = 2  # ranks, unless --memory-world says else
 GOAL_OTHER_RANKS = 0.1  # a rank other than 0 holds at most about one whole parameter beyond its shard
 TIMEOUT_S = 1800
 
@@ -34,6 +36,7 @@ class Peak:
     def __init__(self):
         import psutil
         self.process, self.phases, self._phase, self._start, self._peak = psutil.Process(), {}, None, 0, 0
+        self._span, self._span_start, self._span_peak = None, 0, 0
         self._lock = threading.Lock()  # a sample taken in one phase must not land in the next
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -42,8 +45,18 @@ class Peak:
     def _sample(self):
         while not self._stop.is_set():
             with self._lock:
-                self._peak = max(self._peak, self.process.memory_info().rss)
+                rss = self.process.memory_info().rss
+                self._peak = max(self._peak, rss)
+                self._span_peak = max(self._span_peak, rss)
             time.sleep(0.005)
+
+    def span(self, name: str | None):
+        """End the current span (its peak rise over phases, recorded as a phase) and start `name`."""
+        with self._lock:
+            rss = self.process.memory_info().rss
+            if self._span:
+                self.phases[self._span] = max(self._span_peak, rss) - self._span_start
+            self._span, self._span_start, self._span_peak = name, rss, rss
 
     def phase(self, name: str | None):
         """End the current phase (record its peak rise) and start `name`."""
@@ -57,29 +70,43 @@ class Peak:
             self._stop.set()
 
 
-def rank_main(shape: str, mode: str, out: str) -> None:
-    """One rank (RANK, WORLD_SIZE, MASTER_* in the environment): build, partition, export; write its phases."""
+def rank_main(shape: str, build: str, mode: str, out: str) -> None:
+    """One rank (RANK, WORLD_SIZE, MASTER_* in the environment): build (`build`: "partitioned" as the recipe does,
+    or "whole"), partition, export (`mode`); write its phases."""
     import deepspeed
     import torch
 
     from hpsearch.config import load_config
-    from hpsearch.model import build_from_config
+    from hpsearch.model import build_from_config, build_skeleton
+    from hpsearch.train.build import ModelBuilder, unique_parameters
     from hpsearch.train.dsconfig import deepspeed_config
     from hpsearch.train.objective import gathered_state
 
     torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
-    cfg = load_config(None, [f"model.backbone={shape}", f"train.num_workers={WORLD}", "train.zero_stage=3"])
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg = load_config(None, [f"model.backbone={shape}", f"train.num_workers={world}", "train.zero_stage=3"])
     peak = Peak()
     peak.phase("build")
-    torch.manual_seed(0)
-    model = build_from_config(cfg.model, cfg.data.tasks)
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    peak.span("setup")  # build and deepspeed.initialize: what a rank holds at most before training starts
+
+    def make():
+        torch.manual_seed(0)
+        return build_from_config(cfg.model, cfg.data.tasks)
+    if build == "whole":  # before: every rank builds the whole model; deepspeed.initialize partitions it
+        model = make()
+    else:  # the recipe: rank 0 builds it whole, every rank its partitions under zero.Init
+        model = ModelBuilder(lambda n: 3, lambda stage, hidden: deepspeed_config(cfg, world, stage, hidden), rank)(
+            make, lambda: build_skeleton(cfg.model, cfg.data.tasks))
+    with torch.device("meta"):
+        skeleton = build_skeleton(cfg.model, cfg.data.tasks)
+    weights = sum(p.numel() * p.element_size() for p in unique_parameters(skeleton))
+    hidden = skeleton.config.d_model
     peak.phase("partition")
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-4),
-                                      config=deepspeed_config(cfg, WORLD, 3))
+                                      config=deepspeed_config(cfg, world, 3, hidden))
     del model, params
+    peak.span(None)
     peak.phase("export")
     if mode == "one at a time":
         gathered_state(engine, rank, lambda state: None)
@@ -93,17 +120,21 @@ def rank_main(shape: str, mode: str, out: str) -> None:
     Path(out).write_text(json.dumps({"rank": rank, "weights_bytes": weights, "phases": peak.phases}))
 
 
-def _spawn(shape: str, mode: str, tmp: Path) -> list[dict]:
+RUNS = {"recipe": ("partitioned", "one at a time"), "before": ("whole", "all at once")}  # name: (build, export)
+
+
+def _spawn(shape: str, run: str, tmp: Path, world: int) -> list[dict]:
     from hpsearch.train.launch import free_port
 
     port = free_port()
     procs = []
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu",
                "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
         out = str(tmp / f"{rank}.json")
-        code = f"from hpsearch.bench.memory import rank_main; rank_main({shape!r}, {mode!r}, {out!r})"
+        build, mode = RUNS[run]
+        code = f"from hpsearch.bench.memory import rank_main; rank_main({shape!r}, {build!r}, {mode!r}, {out!r})"
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     failures = []
@@ -116,35 +147,45 @@ def _spawn(shape: str, mode: str, tmp: Path) -> list[dict]:
         if proc.returncode != 0:
             failures.append(next((ln for ln in reversed(err.splitlines()) if ln.strip()), "(no output)"))
     if failures:
-        raise RuntimeError(f"memory ({mode}): a rank failed: {failures[0][:300]}")
-    return [json.loads((tmp / f"{rank}.json").read_text()) for rank in range(WORLD)]
+        raise RuntimeError(f"memory ({run}): a rank failed: {failures[0][:300]}")
+    return [json.loads((tmp / f"{rank}.json").read_text()) for rank in range(world)]
 
 
-def run(shape: str, log) -> tuple[list, dict]:
+def run(shape: str, log, world: int = WORLD) -> tuple[list, dict]:
     results = {}
     with tempfile.TemporaryDirectory(prefix="hpsearch-bench-memory-") as tmp:
-        for mode in ("one at a time", "all at once"):
-            log(f"memory: {WORLD} ZeRO-3 ranks build, partition and export {shape}, export {mode}")
-            folder = Path(tmp, mode.replace(" ", "_"))
+        for run, (build, mode) in RUNS.items():
+            log(f"memory: {world} ZeRO-3 ranks build ({build}), partition and export ({mode}) {shape}")
+            folder = Path(tmp, run)
             folder.mkdir()
             try:
-                results[mode] = _spawn(shape, mode, folder)
+                results[run] = _spawn(shape, run, folder, world)
             except RuntimeError as e:
                 return [], {"memory": str(e)}
-    weights = results["one at a time"][0]["weights_bytes"]
-    rel = lambda mode, rank, phase: results[mode][rank]["phases"][phase] / weights
-    parts = {"shape": shape, "weights_bytes": weights, "world": WORLD,
-             "phases_x_weights": {mode: [{k: v / weights for k, v in r["phases"].items()} for r in rs]
-                                  for mode, rs in results.items()}}
+    weights = results["recipe"][0]["weights_bytes"]
+    rel = lambda run, rank, phase: results[run][rank]["phases"][phase] / weights
+    parts = {"shape": shape, "weights_bytes": weights, "world": world, "runs": RUNS,
+             "phases_x_weights": {run: [{k: v / weights for k, v in r["phases"].items()} for r in rs]
+                                  for run, rs in results.items()}}
+    node = lambda run: sum(results[run][r]["phases"]["setup"] for r in range(world)) / weights
     return [
-        Figure("memory/export_other_rank", rel("one at a time", 1, "export"), GOAL_OTHER_RANKS, "lower", "x weights",
+        Figure("memory/setup_node", node("recipe"), None, "lower", "x weights",
+               f"peak RSS rise of the {world} ranks together (one node) building {shape} and initialising DeepSpeed "
+               "(the recipe: only rank 0 builds it whole, zero.Init partitions it as it is built) ÷ weight bytes",
+               parts=parts),
+        Figure("memory/setup_node_whole", node("before"), None, "lower", "x weights",
+               "the same with the whole model built on every rank (before; contrast)", parts=parts),
+        Figure("memory/setup_other_rank", rel("recipe", 1, "setup"), None, "lower", "x weights",
+               "rank 1 alone: its shard, DeepSpeed's partitioned state, one whole parameter at a time", parts=parts),
+        Figure("memory/setup_other_rank_whole", rel("before", 1, "setup"), None, "lower", "x weights",
+               "the same, whole model built on every rank (before; contrast)", parts=parts),
+        Figure("memory/setup_rank0", rel("recipe", 0, "setup"), None, "lower", "x weights",
+               "rank 0 alone: the whole model it builds and sends, beside its shard and state", parts=parts),
+        Figure("memory/export_other_rank", rel("recipe", 1, "export"), GOAL_OTHER_RANKS, "lower", "x weights",
                f"peak RSS rise of rank 1 exporting {shape} (parameters gathered one at a time) ÷ weight bytes",
                parts=parts),
-        Figure("memory/export_other_rank_all_at_once", rel("all at once", 1, "export"), None, "lower", "x weights",
+        Figure("memory/export_other_rank_all_at_once", rel("before", 1, "export"), None, "lower", "x weights",
                "the same with every parameter gathered on every rank at once (before; contrast)", parts=parts),
-        Figure("memory/export_rank0", rel("one at a time", 0, "export"), None, "lower", "x weights",
+        Figure("memory/export_rank0", rel("recipe", 0, "export"), None, "lower", "x weights",
                "peak RSS rise of rank 0 exporting (it keeps the full CPU copy it writes; contrast)", parts=parts),
-        Figure("memory/build_each_rank", max(rel("one at a time", r, "build") for r in range(WORLD)), None, "lower",
-               "x weights", "peak RSS rise of a rank building the model (a full copy on every rank: no zero.Init "
-               "yet; contrast)", parts=parts),
     ], {}

@@ -58,7 +58,7 @@ def engine_step(model, cfg, batch):
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(cfg, 1))
+                                      config=deepspeed_config(cfg, 1, hidden=model.config.d_model))
 
     def step():
         loss = engine(**batch).loss

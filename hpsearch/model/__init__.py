@@ -15,7 +15,7 @@ from hpsearch.model.adapter import AdapterT5
 from hpsearch.model.backbones import NAMED_SHAPES, backbone_config, check_local_backbone, load_backbone
 from hpsearch.model.base import MultiTaskT5
 from hpsearch.model.config import METHOD_FIELDS, ModelConfig
-from hpsearch.model.export import is_export, load_export, save_export, save_task_params
+from hpsearch.model.export import export_meta, is_export, load_export, save_export, save_task_params
 from hpsearch.model.hyperformer import HyperFormerT5
 from hpsearch.model.hyperprompt import HyperPromptT5
 from hpsearch.model.lora import LoRAT5
@@ -38,8 +38,8 @@ METHOD_CLASSES = {
 }
 
 __all__ = ["METHOD_CLASSES", "METHOD_FIELDS", "NAMED_SHAPES", "ModelConfig", "MultiTaskT5", "backbone_config",
-           "build_from_config", "build_model", "check_local_backbone", "model_config", "save_export",
-           "save_task_params"]
+           "build_from_config", "build_model", "build_skeleton", "check_local_backbone", "model_config",
+           "save_export", "save_task_params"]
 
 
 def model_config(backbone="t5-tiny", method="hyperprompt", **hparams) -> ModelConfig:
@@ -58,6 +58,23 @@ def build_from_config(cfg: ModelConfig, tasks, backbone=None) -> MultiTaskT5:
     """`build_model` from a ModelConfig (the `model` section of a run config); `backbone` overrides cfg's."""
     hparams = {k: v for k, v in vars(cfg).items() if k not in ("backbone", "method")}
     return build_model(cfg.backbone if backbone is None else backbone, cfg.method, tasks, **hparams)
+
+
+def build_skeleton(cfg: ModelConfig, tasks) -> MultiTaskT5:
+    """The model `build_from_config(cfg, tasks)` makes, built from configs alone: no checkpoint is read and the
+    weights are fresh initial values (`init_task_params` not applied). For counting on the meta device and for
+    building under `deepspeed.zero.Init`, where each rank then receives its shard of the real weights."""
+    from transformers import T5Config
+
+    if is_export(cfg.backbone):
+        meta = export_meta(cfg.backbone)
+        model = build_from_config(ModelConfig(**meta["model"]), meta["tasks"],
+                                  backbone=T5Config.from_dict(meta["t5_config"]))
+        model.cfg.backbone = meta["model"]["backbone"]
+        return model
+    model = build_from_config(cfg, tasks, backbone=backbone_config(cfg.backbone, cfg.vocab_size, cfg.dropout))
+    model.cfg.backbone = cfg.backbone
+    return model
 
 
 def build_model(backbone="t5-tiny", method="hyperprompt", tasks=("task",), *, t5=None, **hparams) -> MultiTaskT5:

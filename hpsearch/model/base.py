@@ -73,6 +73,12 @@ class TaskContext:
         return self._rows[(key, batch)]
 
 
+def values_absent(*params: torch.Tensor) -> bool:
+    """True when a parameter holds no values here: on the meta device, or partitioned by ZeRO-3 (a skeleton built
+    under `deepspeed.zero.Init`, whose values arrive afterwards). Initialisation that reads weights skips then."""
+    return any(p.is_meta or hasattr(p, "ds_id") for p in params)
+
+
 def count_trainable(module: nn.Module) -> int:
     """Trainable parameters, also under ZeRO-3 (where a partitioned parameter's local numel is 0)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)

@@ -57,6 +57,13 @@ def save_task_params(model, directory, state: dict[str, torch.Tensor] | None = N
     return directory
 
 
+def export_meta(directory) -> dict:
+    """A full export's {"model": model config, "tasks", "t5_config"} (a ConfigError when it is not a full export)."""
+    directory = Path(directory)
+    _check_full_export(directory)
+    return json.loads((directory / MARKER).read_text())
+
+
 def load_export(directory, build):
     """Rebuild the model of a full export with `build(model_config, tasks, backbone=t5_config)`, load weights."""
     from transformers import T5Config
@@ -64,8 +71,7 @@ def load_export(directory, build):
     from hpsearch.model.config import ModelConfig
 
     directory = Path(directory)
-    _check_full_export(directory)
-    meta = json.loads((directory / MARKER).read_text())
+    meta = export_meta(directory)
     model = build(ModelConfig(**meta["model"]), meta["tasks"], backbone=T5Config.from_dict(meta["t5_config"]))
     model.cfg.backbone = meta["model"]["backbone"]
     missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)

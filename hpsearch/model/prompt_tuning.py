@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpsearch.model.base import Formula, MultiTaskT5, TaskContext
+from hpsearch.model.base import Formula, MultiTaskT5, TaskContext, values_absent
 
 FREQUENT = range(3, 5003)  # T5 SentencePiece ids after pad/eos/unk; see the module docstring
 
@@ -55,7 +55,7 @@ class PromptTuningT5(MultiTaskT5):
         Runs the embedding module on the whole model: call before ZeRO-3 partitions the parameters.
         """
         weight = self.prompts.weight
-        if weight.is_meta:
+        if values_absent(weight, self.t5.encoder.embed_tokens.weight):  # a skeleton: its values come later
             return
         n_tasks, l, d = len(self.tasks), self.prompt_length, self.d_model
         if self.cfg.prompt_init == "random":

@@ -21,6 +21,7 @@ import torch
 from hpsearch.pretrain.config import CorpusConfig
 from hpsearch.pretrain.corpus import Chunks, read_corpus
 from hpsearch.pretrain.spans import corrupt, noise_mask
+from hpsearch.train.build import build_whole
 
 CORPUS_TASK = "corpus"  # the one "task" of the plain T5 being pretrained
 BACKBONE_DIR = "backbone"
@@ -44,15 +45,18 @@ def corpus_tokenizer(texts: list[str], vocab_size: int, corpus: CorpusConfig, ca
 
 
 class SpanCorruption:
-    def __init__(self, cfg, rank: int, world: int, options: dict):
+    def __init__(self, cfg, rank: int, world: int, options: dict, build=build_whole):
         from hpsearch.data import MultiTaskSampler
-        from hpsearch.model import build_from_config
+        from hpsearch.model import build_from_config, build_skeleton
 
         self.cfg, self.rank, self.world = cfg, rank, world
         self.corpus = corpus = CorpusConfig(**options["corpus"])
         texts = read_corpus(corpus, cfg.data)
-        torch.manual_seed(cfg.train.seed)
-        self.model = build_from_config(cfg.model, [CORPUS_TASK])  # the same initial weights on every rank
+
+        def make():
+            torch.manual_seed(cfg.train.seed)
+            return build_from_config(cfg.model, [CORPUS_TASK])  # the same initial weights on every rank
+        self.model = build(make, lambda: build_skeleton(cfg.model, [CORPUS_TASK]))
         self.tokenizer = corpus_tokenizer(texts, self.model.t5.config.vocab_size, corpus, cfg.data.cache_dir)
         self.sentinels = self.tokenizer.convert_tokens_to_ids(sentinel_tokens(corpus.sentinels))
         self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id

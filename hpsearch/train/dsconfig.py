@@ -30,10 +30,18 @@ def auto_zero_stage(cfg: RunConfig, n_params: int, worker_memory: float) -> tupl
     return 0, why + ": fits each worker"
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, stage: int | None = None) -> dict:
-    """The DeepSpeed config generated from a run config; `stage` resolves `train.zero_stage=auto` (default 3)."""
+def deepspeed_config(cfg: RunConfig, world_size: int, stage: int | None = None, hidden: int | None = None) -> dict:
+    """The DeepSpeed config generated from a run config; `stage` resolves `train.zero_stage=auto` (default 3).
+    `hidden` (the model's d_model) sizes ZeRO's buffers to the model, as the Hugging Face integration's "auto" values
+    do: DeepSpeed's defaults (a 5e8-element reduce bucket, 2 GB in fp32, on every rank whatever the model) are
+    sized for billion-parameter models."""
     t = cfg.train
     zero: dict = {"stage": t.zero_stage if isinstance(t.zero_stage, int) else (3 if stage is None else stage)}
+    if hidden:
+        zero["reduce_bucket_size"] = hidden * hidden
+        if zero["stage"] == 3:
+            zero["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+            zero["stage3_param_persistence_threshold"] = 10 * hidden
     if t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": t.use_gpu}
     if t.offload_params:

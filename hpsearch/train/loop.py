@@ -13,6 +13,7 @@ import torch
 from hpsearch.config import load_config
 from hpsearch.errors import UserError
 from hpsearch.train import checkpoints, startup
+from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, lr_lambda
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
@@ -98,17 +99,25 @@ def _train(loop_config: dict, session) -> dict:
     deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
 
-    objective = load_objective(loop_config.get("objective"))(cfg, rank, world, loop_config.get("options"))
-    model, sampler = objective.model, objective.sampler
+    builder = ModelBuilder(lambda n_params: _zero_stage(cfg, n_params, device, session, rank),
+                           lambda stage, hidden: deepspeed_config(cfg, world, stage, hidden), rank,
+                           use_zero_init(cfg.train.zero_init, cfg.train.use_gpu))
+    objective = load_objective(loop_config.get("objective"))(cfg, rank, world, loop_config.get("options"),
+                                                             build=builder)
+    model, sampler, stage = objective.model, objective.sampler, builder.stage
+    if stage is None:  # an objective that built its model itself (whole on every rank)
+        stage = _zero_stage(cfg, sum(p.numel() for p in unique_parameters(model)), device, session, rank)
+    hidden = getattr(model.config, "d_model", None)
+    if builder.partitioned:
+        _rank0_print(rank, "model built under deepspeed.zero.Init: rank 0 built it whole and sent each rank its shards")
     marks["model"] = time.time()
     torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     extra_params = model.extra_parameters()["total"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    stage = _zero_stage(cfg, model, device, session, rank)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(cfg, world, stage))  # the engine steps both
+                                      config=deepspeed_config(cfg, world, stage, hidden))  # the engine steps both
     marks["engine"] = time.time()
     step, best = 0, {"score": -math.inf, "step": 0}
     out_dir = Path(cfg.train.output_dir)
@@ -215,9 +224,9 @@ def _train(loop_config: dict, session) -> dict:
     return final
 
 
-def _zero_stage(cfg, model, device, session, rank) -> int:
-    """The ZeRO stage: `train.zero_stage`, or for `auto` the one `auto_zero_stage` picks from the model's size and
-    the smallest worker's memory (every rank the same)."""
+def _zero_stage(cfg, n_params: int, device, session, rank) -> int:
+    """The ZeRO stage: `train.zero_stage`, or for `auto` the one `auto_zero_stage` picks from the model's size
+    (`n_params`) and the smallest worker's memory (every rank the same)."""
     if isinstance(cfg.train.zero_stage, int):
         return cfg.train.zero_stage
     import psutil
@@ -229,7 +238,6 @@ def _zero_stage(cfg, model, device, session, rank) -> int:
     memory = torch.tensor([float(memory)], device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MIN)
-    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     stage, why = auto_zero_stage(cfg, n_params, memory.item())
     _rank0_print(rank, f"ZeRO stage {stage} (train.zero_stage=auto: {why})")
     return stage

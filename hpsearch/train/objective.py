@@ -4,7 +4,8 @@ The loop (`loop.py`) owns DeepSpeed, steps, checkpoints, resume and reports; an 
 recipe's own objective is `FineTuning` (the suite's tasks); `hpsearch.pretrain` passes its span-corruption objective
 by name (`loop_config["objective"] = "module:Class"`), so pretraining runs the same loop. An objective has:
 
-    objective = Objective(cfg, rank, world, options)      # builds .model (same weights on every rank), .sampler
+    objective = Objective(cfg, rank, world, options, build=builder)   # .model, .sampler: the model comes from
+                                                          # build(make, skeleton) (build.py: whole, or ZeRO-3's)
     objective.start(engine, device)                       # after DeepSpeed wraps the model
     objective.batch()                                     # this rank's next training batch (CPU tensors)
     objective.evaluate()                                  # validation metrics with "score" (higher is better)
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hpsearch.config import dump_yaml
+from hpsearch.train.build import build_whole
 
 
 def load_objective(name: str | None):
@@ -43,18 +45,25 @@ class FineTuning:
     """The suite's tasks: temperature-sampled multi-task batches, generation scored on validation and test, and
     the export (model/, task_params/, config.yaml)."""
 
-    def __init__(self, cfg, rank: int, world: int, options: dict | None = None):
+    def __init__(self, cfg, rank: int, world: int, options: dict | None = None, build=build_whole):
         from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
-        from hpsearch.model import build_from_config
+        from hpsearch.model import build_from_config, build_skeleton
 
         self.cfg, self.rank, self.world = cfg, rank, world
         self.suite = suite = load_suite(cfg.data)
-        torch.manual_seed(cfg.train.seed)
-        self.model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
-        self.tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, self.model.t5.config.vocab_size)
-        self.model.init_task_params([[self.tokenizer(word, add_special_tokens=False).input_ids
-                                      for word in (spec.labels or ())]
-                                     for spec in (get_task(t) for t in suite.tasks)])  # e.g. prompt tuning's labels
+        skeleton = lambda: build_skeleton(cfg.model, suite.tasks)
+        with torch.device("meta"):
+            vocab_size = skeleton().t5.config.vocab_size
+        self.tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, vocab_size)
+        labels = [[self.tokenizer(word, add_special_tokens=False).input_ids for word in (spec.labels or ())]
+                  for spec in (get_task(t) for t in suite.tasks)]
+
+        def make():
+            torch.manual_seed(cfg.train.seed)
+            model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
+            model.init_task_params(labels)  # e.g. prompt tuning's prompts from the labels' embeddings
+            return model
+        self.model = build(make, skeleton)
         self.sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
                                         cfg.data.batching, cfg.data.seed, rank, world)
 
