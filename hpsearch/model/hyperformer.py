@@ -92,10 +92,13 @@ class HyperFormerT5(MultiTaskT5):
         tasks = self.task_embeddings(torch.arange(len(self.tasks), device=device))
         table = {}
         for side, controller in self.controllers.items():
-            weights = controller(tasks)
+            weights = controller(tasks)  # each [T, L, 2, ...]
+            # unbind, not a slice per (layer, kind): a slice's backward allocates a zeroed gradient of the whole
+            # generated tensor for each of the 2L sites; unbind's backward stacks the sites' gradients once
+            per_site = [w.transpose(0, 1).transpose(1, 2).flatten(0, 1).unbind(0) for w in weights]  # 2L x [T, ...]
             for layer in range(weights[0].shape[1]):
                 for k, kind in enumerate(BLOCK_TYPES):
-                    table[(side, layer, kind)] = tuple(w[:, layer, k] for w in weights)
+                    table[(side, layer, kind)] = tuple(w[layer * len(BLOCK_TYPES) + k] for w in per_site)
         return table
 
     def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
