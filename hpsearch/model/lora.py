@@ -28,7 +28,7 @@ from torch import nn
 from transformers import T5ForConditionalGeneration
 
 from hpsearch.model.attention import self_attention_modules
-from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext
+from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, per_row
 
 LORA_PROJECTIONS = ("q", "v")
 
@@ -46,8 +46,8 @@ class TaskLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
         ids = task_ids.to(self.A.device)
-        h = self.dropout(x) @ self.A[ids].to(x.dtype).transpose(1, 2)
-        return (h @ self.B[ids].to(x.dtype).transpose(1, 2)) * self.scaling
+        h = self.dropout(x) @ per_row(self.A, ids).to(x.dtype).transpose(1, 2)
+        return (h @ per_row(self.B, ids).to(x.dtype).transpose(1, 2)) * self.scaling
 
 
 def site_name(site: Site) -> str:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hpsearch.model.adapter import row_bottleneck
-from hpsearch.model.base import Formula, Site, TaskContext
+from hpsearch.model.base import Formula, Site, TaskContext, per_row
 from hpsearch.model.prefix import PREFIX_FORMULA, PrefixT5
 
 
@@ -40,8 +40,9 @@ class ParallelAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
         ids = task_ids.to(self.down_weight.device)
-        return self.scale * row_bottleneck(x, self.down_weight[ids].to(x.dtype), self.down_bias[ids].to(x.dtype),
-                                           self.up_weight[ids].to(x.dtype), self.up_bias[ids].to(x.dtype))
+        weights = (per_row(w, ids).to(x.dtype) for w in (self.down_weight, self.down_bias, self.up_weight,
+                                                          self.up_bias))
+        return self.scale * row_bottleneck(x, *weights)
 
 
 class MAMT5(PrefixT5):
