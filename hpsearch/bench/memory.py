@@ -1,10 +1,10 @@
-"""Group `memory`: peak host memory of each of 2 ZeRO-3 ranks building, partitioning and exporting a model.
+"""Group `memory`: peak host memory of each of N ZeRO-3 ranks building, partitioning and exporting a model.
 
-Two ranks (processes, gloo) run what the training recipe does before and after training: build the model,
-`deepspeed.initialize` with the recipe's ZeRO-3 config, then export its full state to rank 0. Each rank samples its
-resident memory (RSS) every few ms; a phase's figure is the peak rise above the RSS at the phase's start, over the
-model's weight bytes. Two runs, each in fresh processes (freed memory is not always returned to the OS, so a second
-phase in the same process would read low):
+`--memory-world` ranks (2 by default; processes, gloo) run what the training recipe does before and after training:
+build the model, `deepspeed.initialize` with the recipe's ZeRO-3 config, then export its full state to rank 0. Each
+rank samples its resident memory (RSS) every few ms; a phase's figure is the peak rise above the RSS at the phase's
+start, over the model's weight bytes. Two runs, each in fresh processes (freed memory is not always returned to the
+OS, so a second phase in the same process would read low):
 - `recipe`: the build of `hpsearch.train.build` (rank 0 builds the whole model, every rank its partitions under
   `deepspeed.zero.Init`, filled from rank 0 one parameter at a time) and the export of
   `hpsearch.train.objective.gathered_state` (parameters gathered one by one, rank 0 alone keeps the full CPU copy);

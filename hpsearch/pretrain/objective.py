@@ -55,7 +55,7 @@ class SpanCorruption:
 
         def make():
             torch.manual_seed(cfg.train.seed)
-            return build_from_config(cfg.model, [CORPUS_TASK])  # the same initial weights on every rank
+            return build_from_config(cfg.model, [CORPUS_TASK])  # the same initial weights wherever it runs
         self.model = build(make, lambda: build_skeleton(cfg.model, [CORPUS_TASK]))
         self.tokenizer = corpus_tokenizer(texts, self.model.t5.config.vocab_size, corpus, cfg.data.cache_dir)
         self.sentinels = self.tokenizer.convert_tokens_to_ids(sentinel_tokens(corpus.sentinels))

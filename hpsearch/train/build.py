@@ -47,7 +47,8 @@ def fill_from_rank0(model, source, rank: int) -> None:
     buffers = dict(source.named_buffers()) if rank == 0 else {}
     nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
     for name, buffer in model.named_buffers():  # whole on every rank (ZeRO-3 partitions parameters only)
-        value = (buffers[name] if rank == 0 else buffer.data).to("cuda" if nccl else buffer.device, copy=True)
+        value = (buffers[name] if rank == 0 else buffer.data).to("cuda" if nccl else buffer.device,
+                                                                 dtype=buffer.dtype, copy=True)  # zero.Init: bf16
         if torch.distributed.is_initialized():
             torch.distributed.broadcast(value, 0)  # NCCL sends device tensors only
         buffer.data.copy_(value)
@@ -61,6 +62,22 @@ def use_zero_init(setting, use_gpu: bool) -> bool:
     4 ranks, t5-base), building whole took less memory per node than zero.Init (`python -m hpsearch.bench --only
     memory`), so auto leaves it off there."""
     return use_gpu if setting == "auto" else bool(setting)
+
+
+WAIT_FOR_RANK0_S = 3 * 3600  # rank 0 may download and load a whole t5-11b before the others can go on
+
+
+def _wait_for_rank0() -> None:
+    """The other ranks wait while rank 0 builds (or downloads and loads) the whole model, on a gloo group of its
+    own with a long timeout: in the process group's first collective they would wait under its timeout (NCCL's
+    watchdog, Ray Train's `timeout_s`), which loading a large checkpoint on one rank can exceed."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    from datetime import timedelta
+
+    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=WAIT_FOR_RANK0_S))
+    torch.distributed.barrier(group=group)
+    torch.distributed.destroy_process_group(group)
 
 
 class ModelBuilder:
@@ -83,6 +100,7 @@ class ModelBuilder:
         import deepspeed
 
         source = make() if self.rank == 0 else None
+        _wait_for_rank0()
         with deepspeed.zero.Init(config_dict_or_path=self.ds_config(self.stage, self.hidden)):
             model = skeleton()
         fill_from_rank0(model, source, self.rank)

@@ -1,6 +1,7 @@
 """The training loop, one per rank: DeepSpeed engine, sampled batches, evaluations, checkpoints, the final export."""
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -102,8 +103,10 @@ def _train(loop_config: dict, session) -> dict:
     builder = ModelBuilder(lambda n_params: _zero_stage(cfg, n_params, device, session, rank),
                            lambda stage, hidden: deepspeed_config(cfg, world, stage, hidden), rank,
                            use_zero_init(cfg.train.zero_init, cfg.train.use_gpu))
-    objective = load_objective(loop_config.get("objective"))(cfg, rank, world, loop_config.get("options"),
-                                                             build=builder)
+    objective_class = load_objective(loop_config.get("objective"))
+    takes_build = "build" in inspect.signature(objective_class).parameters  # else it builds its model itself
+    objective = objective_class(cfg, rank, world, loop_config.get("options"), **({"build": builder} if takes_build
+                                                                                 else {}))
     model, sampler, stage = objective.model, objective.sampler, builder.stage
     if stage is None:  # an objective that built its model itself (whole on every rank)
         stage = _zero_stage(cfg, sum(p.numel() for p in unique_parameters(model)), device, session, rank)

@@ -60,7 +60,7 @@ class FineTuning:
 
         def make():
             torch.manual_seed(cfg.train.seed)
-            model = build_from_config(cfg.model, suite.tasks)  # the same initial weights on every rank
+            model = build_from_config(cfg.model, suite.tasks)  # the same initial weights wherever it runs
             model.init_task_params(labels)  # e.g. prompt tuning's prompts from the labels' embeddings
             return model
         self.model = build(make, skeleton)

@@ -70,7 +70,6 @@ for name in SETUPS:
     report[name]["stage0_equal"] = all(torch.equal(p, expected[n]) for n, p in stage0.named_parameters())
 
 
-
 class WithBuffer(torch.nn.Module):  # no method has a buffer: this checks that buffers reach every rank too
     def __init__(self):
         super().__init__()
@@ -80,17 +79,18 @@ class WithBuffer(torch.nn.Module):  # no method has a buffer: this checks that b
 
 torch.manual_seed(1)
 expected = WithBuffer()  # rank 0's values on every rank
-torch.manual_seed(100 + rank)  # each rank's skeleton starts from other values
-source = WithBuffer() if rank == 0 else None
-if rank == 0:
-    source.load_state_dict(expected.state_dict())
-with deepspeed.zero.Init(config_dict_or_path=DS):
-    target = WithBuffer()
-fill_from_rank0(target, source, rank)
-with deepspeed.zero.GatheredParameters(list(target.parameters())):
-    report["buffer_module"] = {"buffer": torch.equal(target.scale, expected.scale),
-                               "params": all(torch.equal(p, q) for p, q in zip(target.parameters(),
-                                                                               expected.parameters()))}
+for precision, ds in (("fp32", DS), ("bf16", {**DS, "bf16": {"enabled": True}})):  # zero.Init casts to bf16
+    torch.manual_seed(100 + rank)  # each rank's skeleton starts from other values
+    source = WithBuffer() if rank == 0 else None
+    if rank == 0:
+        source.load_state_dict(expected.state_dict())
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        target = WithBuffer()
+    fill_from_rank0(target, source, rank)
+    with deepspeed.zero.GatheredParameters(list(target.parameters())):
+        report[f"buffer_module_{precision}"] = {
+            "buffer": torch.equal(target.scale, expected.scale.to(target.scale.dtype)),
+            "params": all(torch.equal(p, q.to(p.dtype)) for p, q in zip(target.parameters(), expected.parameters()))}
 
 with open(os.path.join(sys.argv[1], f"build{rank}.json"), "w") as f:
     json.dump(report, f)
