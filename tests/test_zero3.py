@@ -1,7 +1,6 @@
 """Every method under DeepSpeed ZeRO-3 on CPU: 2 ranks, partitioned parameters, forward/backward/step, generation."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,21 @@ METHODS = ("hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "mtl", 
            "hyperformer", "prefix", "lora", "mam", "pha")
 
 
-def test_zero3_step_every_method(tmp_path):
+def run_workers(worker: str, out_dir, timeout: int) -> None:
+    """Run tests/workers/<worker> on 2 ranks under torchrun (gloo, DeepSpeed on CPU); it writes its reports to
+    `out_dir`."""
+    from hpsearch.train.launch import free_port
+
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    worker = Path(__file__).parent / "workers" / "zero3_step.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_addr", "127.0.0.1", "--master_port", str(port), str(worker), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=900)
+                          "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                          str(Path(__file__).parent / "workers" / worker), str(out_dir)],
+                         env=env, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_zero3_step_every_method(tmp_path):
+    run_workers("zero3_step.py", tmp_path, timeout=900)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for name in METHODS:
         for rep in reports:
@@ -55,15 +59,7 @@ def test_zero3_build_under_zero_init_equals_the_whole_build(tmp_path):
     """The recipe's ZeRO-3 build (`hpsearch.train.build.ModelBuilder`): only rank 0 builds the whole model; every rank
     builds the structure under `deepspeed.zero.Init` (partitioned from the start) and receives rank 0's values. For
     every method setup of the shared tester, the gathered weights equal a whole build's, parameter by parameter."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    worker = Path(__file__).parent / "workers" / "zero3_build.py"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_addr", "127.0.0.1", "--master_port", str(port), str(worker), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_workers("zero3_build.py", tmp_path, timeout=600)
     from test_methods import SETUPS
 
     for rank in (0, 1):
