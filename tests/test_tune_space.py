@@ -102,6 +102,8 @@ def test_default_space_shape():
      r"space.yaml:9: points_to_evaluate\[0\]: 'model.varient' is not searched; expected some of model.variant"),
     ("name: t\nsearch: {}\n", r"space.yaml:2: search: nothing to search"),
     (BASE + "resources:\n  trial_cpus: 0\n", r"space.yaml:10: resources.trial_cpus: 0.0; expected a number > 0"),
+    (BASE + "resources:\n  worker_group: never\n",
+     r"space.yaml:10: resources.worker_group: 'never'; expected auto or always"),
     (BASE.replace("train.lr:", "train.lr: [1"), r"space.yaml:\d: malformed YAML"),
 ])
 def test_bad_space_is_one_line_error_with_line(tmp_path, text, match):
@@ -200,6 +202,27 @@ def test_concurrency_follows_resources(tmp_path):
     assert concurrency(gpu, {"CPU": 64.0, "GPU": 8.0}) == 4
     capped = load_space(write(tmp_path, BASE + "resources:\n  max_concurrent: 2\n"))
     assert concurrency(capped, {"CPU": 64.0}) == 2
+
+
+def test_a_one_worker_trial_is_one_bundle_in_its_own_actor_unless_told(tmp_path):
+    """One worker (worker_group auto): the trial's actor is the worker, one bundle holding the driver's CPU slice and
+    the worker's resources; `always`, several workers or a driver resource: the driver's bundle, then the workers'."""
+    from hpsearch.tune.cluster import in_process, trial_bundles, trial_resources
+
+    def space(resources):
+        return load_space(write(tmp_path, BASE + "resources:\n" + "".join(f"  {k}: {v}\n"
+                                                                          for k, v in resources.items())))
+    one = space({"workers": 1, "cpus_per_worker": 2, "trial_cpus": 0.5})
+    assert in_process(one) and trial_bundles(one) == [{"CPU": 2.5}]
+    gpu = space({"workers": 1, "cpus_per_worker": 4, "gpus_per_worker": 1})
+    assert trial_bundles(gpu) == [{"CPU": 4.1, "GPU": 1}]
+    always = space({"workers": 1, "cpus_per_worker": 2, "trial_cpus": 0.5, "worker_group": "always"})
+    assert not in_process(always) and trial_bundles(always) == [{"CPU": 0.5}, {"CPU": 2.0}]
+    assert trial_resources(always) == trial_resources(one) == {"CPU": 2.5}
+    pinned = space({"workers": 1, "driver_resource": "hpsearch_driver"})
+    assert not in_process(pinned) and trial_bundles(pinned) == [{"CPU": 0.1, "hpsearch_driver": 1.0}, {"CPU": 0.9}]
+    two = space({"workers": 2})
+    assert not in_process(two) and len(trial_bundles(two)) == 3
 
 
 def test_autoscaler_verdict_needs_rounds_after_the_request_that_launch_nothing():

@@ -1,6 +1,7 @@
 """End to end: `python -m hpsearch.tune` runs short studies (Ray Tune + Optuna + ASHA launching the training
 recipe's TorchTrainer per trial) on this machine; the MLflow store is read back with `MlflowClient`."""
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -145,6 +146,42 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
 
 
+@pytest.mark.slow
+def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_path):
+    """`resources.workers=1`: every trial trains in its own Tune actor (no Ray Train controller or worker actors),
+    Tune reuses that actor for the next trial (one process for the study, whatever ASHA stopped), each evaluation
+    reaches MLflow once with its Optuna state, and Tune's checkpoints are removed at the end like Ray Train's."""
+    space = tmp_path / "loss.yaml"  # loss as ASHA's metric: trials differ at step 10, so ASHA stops one (the 4th)
+    space.write_text((ROOT / "search_spaces" / "default.yaml").read_text().replace(
+        "  - {metric: score, mode: max}", "  - {metric: loss, mode: min}"))
+    out = subprocess.run(tune_cmd(tmp_path, "inproc", "--space", str(space), "--num-samples", "6", *SHORT,
+                                  "resources.workers=1", "resources.max_concurrent=1"),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    study_dir = tmp_path / "runs" / "inproc"
+    results = [[json.loads(line) for line in (d / "result.json").read_text().splitlines()]
+               for d in sorted(study_dir.glob("trial_*"))]
+    assert len(results) == 6 and all(results)
+    assert len({row["pid"] for rows in results for row in rows}) == 1  # one actor trained every trial
+    # no TorchTrainer ran: Ray Train writes its run's state under train/<trial id>/ (here only the best weights were)
+    assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]
+    client, parents, children = study_runs(tmp_path, "inproc")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and len(children) == 6
+    order = [c.data.tags["hpsearch.outcome"] for c in sorted(children, key=lambda c: c.info.start_time)]
+    assert "stopped" in order[:-1], order  # ASHA stopped a trial inside its report, and the actor trained the next
+    ostudy = optuna.load_study(study_name="inproc", storage=f"sqlite:///{tmp_path}/optuna.db")
+    outcomes = sorted({"complete": "COMPLETE", "stopped": "PRUNED"}[c.data.tags["hpsearch.outcome"]] for c in children)
+    assert sorted(t.state.name for t in ostudy.trials) == outcomes
+    for child in children:
+        outcome = child.data.tags["hpsearch.outcome"]
+        assert steps(client, child.info.run_id) == ([10, 20] if outcome == "complete" else [10])
+        trial = study_dir / "trials" / child.data.tags["hpsearch.trial_id"]
+        assert (trial / "model" / "model.safetensors").is_file() == (outcome == "complete")
+    left = [p for pattern in ("trial_*/checkpoint_*", "train/*/best") for p in study_dir.glob(pattern)]
+    assert not left, left
+    assert "MB of checkpoints only a resume needed were removed" in out.stdout
+
+
 def wait_for(predicate, timeout, proc, poll=2.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -219,11 +256,13 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
 
 
 @pytest.mark.slow
-def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path):
+@pytest.mark.parametrize("workers", ["2", "1"])  # Ray Train's worker group, or training in the trial's actor
+def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path, workers):
     """SIGKILL the study's driver (and its Ray) as soon as a trial's final result reached it (its MLflow run has
     the test score), before Tune saved that result: after --resume the trial counts as complete with its score,
     is not trained again, and MLflow holds one parent and one child per trial, none left RUNNING."""
-    args = tune_cmd(tmp_path, "kill", "--num-samples", "2", *SHORT, "resources.max_concurrent=1")
+    args = tune_cmd(tmp_path, "kill", "--num-samples", "2", *SHORT, "resources.max_concurrent=1",
+                    f"resources.workers={workers}")
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -260,13 +299,15 @@ def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("workers", ["2", "1"])  # Ray Train's worker group, or training in the trial's actor
+def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path, workers):
     """What Ray's memory monitor does under pressure: SIGKILL a running trial's own driver (Tune's actor, owner of
-    the Train run) after its first evaluation. Tune retries the trial; its new Train run starts once the old run's
-    workers and placement group are released (no start-up timeout waited out), continues from the step-10
-    checkpoint, and the study finishes with one MLflow child holding each evaluation once."""
-    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *SHORT), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    the Train run, or with one worker the process training it) after its first evaluation. Tune retries the trial;
+    its new Train run starts once the old run's workers and placement group are released (no start-up timeout
+    waited out), continues from the step-10 checkpoint, and the study finishes with one MLflow child holding each
+    evaluation once."""
+    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *SHORT, f"resources.workers={workers}"),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def evaluated_once():
         try:

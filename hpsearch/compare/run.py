@@ -61,6 +61,11 @@ class Comparison:
         cfg.validate()
         return cfg
 
+    @property
+    def in_process(self) -> bool:
+        from hpsearch.tune.cluster import in_process
+        return in_process(self.spec)
+
     def outcome(self, last_result: dict, failed: bool) -> str:
         if failed:
             return "failed"
@@ -108,23 +113,25 @@ def _final_scores(cfg: RunConfig) -> dict[str, float]:
 def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     import ray.tune
 
+    from hpsearch.tune.cluster import trial_placement
     from hpsearch.tune.progress import TrialEvents
     from hpsearch.tune.study import trial_dirname
 
     spec = comparison.spec
     fn = ray.tune.with_parameters(run_comparison_trial, comparison=comparison)
-    fn = ray.tune.with_resources(fn, {"cpu": spec.resources.trial_cpus})
+    fn = ray.tune.with_resources(fn, trial_placement(spec))
     # seed-major: every method's seed 0, then seed 1, ...: the methods see the same neighbours on a shared machine
     param_space = {"method": ray.tune.grid_search([m.label for m in spec.entries()]),
                    "seed": ray.tune.grid_search(spec.seeds)}
     tune_config = ray.tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent,
-                                      trial_dirname_creator=trial_dirname)
+                                      trial_dirname_creator=trial_dirname, reuse_actors=comparison.in_process)
     trials = len(spec.entries()) * len(spec.seeds)
     events = TrialEvents(trials, spec.config.train.max_steps, max_concurrent, comparison.outcome)
     # the console: a study's one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = comparison.storage.ray_path()
     run_config = ray.tune.RunConfig(name=comparison.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events], verbose=0,
+                                    checkpoint_config=ray.tune.CheckpointConfig(num_to_keep=1),
                                     failure_config=ray.tune.FailureConfig(max_failures=spec.budget.max_failures))
     return ray.tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config)
 

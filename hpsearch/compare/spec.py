@@ -16,7 +16,7 @@ Top-level keys (all optional but `methods`):
                           value (every seed), e.g. the prompt length (the paper's Fig. 4)
     budget                max_steps, eval_every (set train.*), max_failures (Tune retries of a trial)
     resources             per trial, as in a space file: workers, cpus_per_worker, gpus_per_worker, trial_cpus,
-                          max_concurrent
+                          max_concurrent, worker_group
     stats                 interval (t | bootstrap), confidence, resamples, bootstrap_method, seed
     probe                 after training: rows_per_task (validation rows per task for generation time and attention
                           statistics), reps (timed repetitions; the fastest counts)
@@ -36,7 +36,7 @@ from typing import Any
 
 from hpsearch.config import RunConfig, apply_mapping, coerce, parse_override, read_yaml, set_field
 from hpsearch.errors import ConfigError
-from hpsearch.tune.space import Resources
+from hpsearch.tune.space import WORKER_GROUPS, Resources
 from hpsearch.tune.spacefile import Where, read_section, set_key
 
 TOP_LEVEL = ("name", "description", "model", "data", "train", "methods", "references", "seeds", "sweep", "budget",
@@ -402,6 +402,7 @@ def _validate_sections(spec: Spec, at) -> None:
         ("resources.trial_cpus", r.trial_cpus > 0, "a number > 0 (Ray refuses 0)"),
         ("resources.max_concurrent", r.max_concurrent is None or r.max_concurrent >= 1, "an integer >= 1 or null"),
         ("resources.gpus_per_worker", t.gpus_per_worker > 0 or not t.use_gpu, "a number > 0 for GPU workers"),
+        ("resources.worker_group", r.worker_group in WORKER_GROUPS, " or ".join(WORKER_GROUPS)),
         ("stats.interval", s.interval in INTERVALS, " or ".join(INTERVALS)),
         ("stats.confidence", 0 < s.confidence < 1, "a number in (0, 1), e.g. 0.95"),
         ("stats.resamples", s.resamples >= 100, "an integer >= 100"),

@@ -64,6 +64,15 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True) -> None:
              log_to_driver=log_to_driver, logging_level="WARNING")
 
 
+def loop_config(cfg: RunConfig, *, resume_from: str | None = None, system_metrics: dict | None = None,
+                objective: str | None = None, options: dict | None = None, export_to: tuple | None = None,
+                startup: dict | None = None) -> dict:
+    """What `train_loop` takes (see build_trainer for the fields)."""
+    return {"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from else None,
+            "system_metrics": system_metrics, "objective": objective, "options": options, "export_to": export_to,
+            "startup": startup or {}}
+
+
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
                   system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None,
                   storage_filesystem=None, export_to: tuple | None = None, startup: dict | None = None):
@@ -86,10 +95,9 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     loop = importlib.import_module("hpsearch.train.launch")._ray_train_loop
     return TorchTrainer(
         loop,
-        train_loop_config={"run": cfg.to_dict(), "resume_from": str(Path(resume_from).resolve()) if resume_from
-                           else None, "system_metrics": system_metrics, "objective": objective,
-                           "options": options, "export_to": export_to,
-                           "startup": {**(startup or {}), "fit": time.time()}},
+        train_loop_config=loop_config(cfg, resume_from=resume_from, system_metrics=system_metrics,
+                                      objective=objective, options=options, export_to=export_to,
+                                      startup={**(startup or {}), "fit": time.time()}),
         torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),

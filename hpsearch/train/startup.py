@@ -14,6 +14,7 @@ import re
 # (mark, what the time from the previous mark to this one went to), in order; a run has a subset of them
 PHASES = (
     ("process", ""),  # the driver's process start: where the count begins
+    ("trial", ""),  # or a trial that trains in its own Tune actor: its start
     ("ray", "driver imports and checks"),
     ("ray_up", "Ray start"),
     ("fit", "trainer set-up"),

@@ -11,7 +11,7 @@ from hpsearch.tune.space import SearchSpace
 
 def trial_resources(space: SearchSpace) -> dict[str, float]:
     """What one trial holds while it runs, summed over `trial_bundles`: its driver's CPU slice (and driver
-    resource) plus its Train workers."""
+    resource) plus its Train workers (the same sum for a trial that trains in its own actor)."""
     need: dict[str, float] = {}
     for bundle in trial_bundles(space):
         for k, v in bundle.items():
@@ -19,12 +19,29 @@ def trial_resources(space: SearchSpace) -> dict[str, float]:
     return need
 
 
+def in_process(space: SearchSpace) -> bool:
+    """Whether a trial trains in its own Tune actor rather than launching Ray Train's worker group: one worker,
+    `resources.worker_group=auto`, and no `driver_resource` (which keeps drivers apart from workers)."""
+    r = space.resources
+    return space.config.train.num_workers == 1 and r.worker_group == "auto" and not r.driver_resource
+
+
 def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
-    """One trial's demand as placement bundles: its driver, then each Train worker."""
+    """One trial's demand as placement bundles: its driver, then each Train worker; a trial that trains in its own
+    actor (`in_process`) is one bundle, the two summed."""
     t, r = space.config.train, space.resources
     driver = {"CPU": r.trial_cpus, **({r.driver_resource: 1.0} if r.driver_resource else {})}
     worker = {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {})}
+    if in_process(space):
+        return [{**worker, "CPU": r.trial_cpus + t.cpus_per_worker}]
     return [driver] + [dict(worker) for _ in range(t.num_workers)]
+
+
+def trial_placement(space: SearchSpace):
+    """What the trial's Tune actor asks for: its first bundle (the driver's, or the whole of an in-process trial;
+    Ray Train places its workers itself)."""
+    from ray.tune import PlacementGroupFactory
+    return PlacementGroupFactory(trial_bundles(space)[:1])
 
 
 def wait_for_nodes(space: SearchSpace, say) -> None:

@@ -23,6 +23,9 @@ class Budget:
     wait_for_nodes_s: float = 600.0     # on a cluster: how long to wait for nodes that fit one trial, then give up
 
 
+WORKER_GROUPS = ("auto", "always")
+
+
 @dataclass
 class Resources:
     workers: int | None = None          # -> train.num_workers
@@ -32,6 +35,8 @@ class Resources:
     max_concurrent: int | None = None   # None: as many trials as the cluster's CPUs/GPUs fit
     driver_resource: str | None = None  # a custom resource only the head offers (e.g. hpsearch_driver): each trial's
                                         # driver takes 1, so drivers stay on the head and workers go to worker nodes
+    worker_group: str = "auto"          # auto: a one-worker trial trains in its Tune actor (no Ray Train worker
+                                        # group; actors reused across trials); always: a TorchTrainer per trial
 
 
 @dataclass

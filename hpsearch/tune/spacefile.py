@@ -13,7 +13,8 @@ A space file has these top-level keys (every one optional):
                           wait_for_nodes_s (on a cluster: how long to wait for nodes that fit one trial)
     resources             per trial: workers, cpus_per_worker, gpus_per_worker (set train.*), trial_cpus (the
                           trial's own driver); max_concurrent (null: as many as the cluster fits); driver_resource
-                          (a custom resource only the head has: trial drivers stay there)
+                          (a custom resource only the head has: trial drivers stay there); worker_group (auto: a
+                          one-worker trial trains in its own Tune actor, no Ray Train worker group; always)
     sampler               Optuna TPE: seed, n_startup_trials, multivariate
     points_to_evaluate    configurations to try first, e.g. the paper's best
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from hpsearch.config import RunConfig, apply_mapping, coerce, field_types, parse_override, read_yaml, set_field
 from hpsearch.errors import ConfigError
-from hpsearch.tune.space import Budget, Objective, Param, Resources, Sampler, SearchSpace
+from hpsearch.tune.space import WORKER_GROUPS, Budget, Objective, Param, Resources, Sampler, SearchSpace
 
 TYPES = ("categorical", "int", "uniform", "loguniform")
 PARAM_KEYS = {"categorical": ("choices",), "int": ("low", "high", "step", "log"), "uniform": ("low", "high", "step"),
@@ -354,6 +355,7 @@ def _validate_budget(space: SearchSpace, at) -> None:
         ("resources.trial_cpus", r.trial_cpus > 0, "a number > 0 (Ray refuses 0)"),
         ("resources.max_concurrent", r.max_concurrent is None or r.max_concurrent >= 1, "an integer >= 1 or null"),
         ("resources.gpus_per_worker", t.gpus_per_worker > 0 or not t.use_gpu, "a number > 0 for GPU workers"),
+        ("resources.worker_group", r.worker_group in WORKER_GROUPS, " or ".join(WORKER_GROUPS)),
         ("resources.driver_resource", r.driver_resource is None or (
             isinstance(r.driver_resource, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.driver_resource)
             and r.driver_resource not in ("CPU", "GPU", "memory")), "the name of a custom resource or null"),

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 
 from hpsearch.config import RunConfig
 from hpsearch.errors import UserError
-from hpsearch.tune.cluster import trial_bundles
+from hpsearch.tune.cluster import trial_placement
 from hpsearch.tune.space import SearchSpace
 from hpsearch.tune.storage import Storage, open_storage
 
@@ -60,6 +62,12 @@ class Study:
         cfg.train.output_dir = str(self.dir / "trials" / trial_id)
         return cfg
 
+    @property
+    def in_process(self) -> bool:
+        """Trials train in their own Tune actor (one worker; cluster.in_process)."""
+        from hpsearch.tune.cluster import in_process
+        return in_process(self.space)
+
     def outcome(self, last_result: dict, failed: bool) -> str:
         """complete (ran the whole budget), stopped (ASHA stopped it early, or interrupted) or failed."""
         if failed:
@@ -67,12 +75,13 @@ class Study:
         return "complete" if last_result.get("step", 0) >= self.space.config.train.max_steps else "stopped"
 
     def prune(self) -> tuple[int, int]:
-        """At the study's end: remove what only a resume needed (Ray Train's checkpoints of each trial, optimizer
-        states included, and its best weights, already exported); keep the exports (`trials/<id>/model`,
-        `task_params`, config, metrics). Returns (bytes freed, bytes the study folder still holds)."""
-        doomed = [p for p in (*self.dir.glob("train/*/checkpoint_*"), *self.dir.glob("train/*/best")) if p.is_dir()]
-        freed = sum(_size(p) for p in doomed) + sum(self.storage.delete(self.name, pattern)
-                                                    for pattern in ("train/*/checkpoint_*", "train/*/best"))
+        """At the study's end: remove what only a resume needed (each trial's checkpoints, optimizer states included:
+        Ray Train's, or Tune's for a trial that trained in its own actor; its best weights, already exported); keep
+        the exports (`trials/<id>/model`, `task_params`, config, metrics). Returns (bytes freed, bytes the study
+        folder still holds)."""
+        patterns = ("train/*/checkpoint_*", "train/*/best", "trial_*/checkpoint_*")
+        doomed = [p for pattern in patterns for p in self.dir.glob(pattern) if p.is_dir()]
+        freed = sum(_size(p) for p in doomed) + sum(self.storage.delete(self.name, pattern) for pattern in patterns)
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return freed, _size(self.dir)
@@ -113,11 +122,11 @@ def load_state(study_dir: Path) -> dict:
 
 # ---- one trial (runs in a Tune actor) -----------------------------------------------------------------------------
 def run_trial(config: dict[str, Any], study: Study) -> None:
-    """A Tune function trainable: train this trial's run config with the training recipe's TorchTrainer."""
+    """A Tune function trainable: train this trial's run config with the training recipe, in this actor for one
+    worker (`study.in_process`, see inprocess.py), else with its TorchTrainer."""
     import ray.tune
-    from ray.tune.integration.ray_train import TuneReportCallback
 
-    from hpsearch.train import build_trainer, failure_reason
+    from hpsearch.train import failure_reason
 
     trial_id = ray.tune.get_context().get_trial_id()
     cfg = study.trial_config(config, trial_id)
@@ -132,20 +141,43 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
         watch = {"tracking_uri": sm["tracking_uri"], "run_id": run_id, "interval": sm["interval"]} if run_id else None
     storage_path, storage_fs = study.ray_path("train")
     export_to = study.ray_path("trials", trial_id) if study.storage.remote else None
-    trainer = build_trainer(cfg, name=trial_id, storage_path=storage_path, storage_filesystem=storage_fs,
-                            callbacks=[TuneReportCallback()], system_metrics=watch,  # rank 0's reports go to Tune
-                            export_to=export_to)
     try:
-        trainer.fit()
-    except Exception as e:  # Ray Train wraps the worker's error with its traceback
-        reason = failure_reason(e)
+        if study.in_process:
+            _train_in_this_actor(cfg, f"{storage_path}/{trial_id}/best", storage_fs, watch, export_to)
+        else:
+            _train_with_ray_train(cfg, trial_id, storage_path, storage_fs, watch, export_to)
+    except Exception as e:  # Ray Train wraps the worker's error with its traceback; ours is raised here as it is
+        reason = failure_reason(e if not study.in_process else RuntimeError(f"{type(e).__name__}: {e}"))
         if deterministic(reason):
             try:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(reason + "\n")
             except OSError:  # e.g. the disk is full: the retry then fails the same way, and says so again
                 marker.unlink(missing_ok=True)
+        if study.in_process and not deterministic(reason):
+            traceback.print_exc()  # the trial's log keeps the traceback, as a Train worker's does
         raise TrialFailed(reason) from None
+
+
+def _train_with_ray_train(cfg: RunConfig, trial_id: str, storage_path: str, storage_fs, watch, export_to) -> None:
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from hpsearch.train import build_trainer
+    trainer = build_trainer(cfg, name=trial_id, storage_path=storage_path, storage_filesystem=storage_fs,
+                            callbacks=[TuneReportCallback()], system_metrics=watch,  # rank 0's reports go to Tune
+                            export_to=export_to)
+    trainer.fit()
+
+
+def _train_in_this_actor(cfg: RunConfig, best_path: str, best_fs, watch, export_to) -> None:
+    """The training loop on one rank, here; ASHA stops it inside its report (Tune's SystemExit, not an error)."""
+    started = time.time()
+    from hpsearch.train import loop_config
+    from hpsearch.train.loop import train_loop
+    from hpsearch.tune.inprocess import TuneSession
+
+    train_loop(loop_config(cfg, system_metrics=watch, export_to=export_to, startup={"trial": started}),
+               TuneSession(best_path, best_fs))
 
 
 def deterministic(reason: str) -> bool:
@@ -188,10 +220,9 @@ def make_searcher(space: SearchSpace, storage_url: str | None = None, study_name
 
 def trainable(study: Study):
     import ray.tune
-    from ray.tune import PlacementGroupFactory
 
     fn = ray.tune.with_parameters(run_trial, study=study)
-    return ray.tune.with_resources(fn, PlacementGroupFactory(trial_bundles(study.space)[:1]))  # the driver's bundle
+    return ray.tune.with_resources(fn, trial_placement(study.space))
 
 
 def make_tuner(study: Study, callbacks: list, max_concurrent: int):
@@ -208,13 +239,15 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     searcher = make_searcher(space, study.optuna_storage, study.name)
     tune_config = ray.tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
-                                      time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname)
+                                      time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname,
+                                      reuse_actors=study.in_process)  # the next trial keeps the actor's imports
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
     run_config = ray.tune.RunConfig(name=study.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
+                                    checkpoint_config=ray.tune.CheckpointConfig(num_to_keep=1),  # in-process trials'
                                     verbose=0)
     return ray.tune.Tuner(trainable(study), tune_config=tune_config, run_config=run_config)
 
