@@ -109,6 +109,23 @@ def test_memory_group_builds_under_zero_init_and_gathers_one_parameter_at_a_time
     assert abs(phases["before"][0]["build"] - phases["before"][1]["build"]) < 0.3, phases
 
 
+@pytest.mark.slow
+def test_study_group_tiny_shape():
+    """Studies of 1 and 3 one-worker trials, in the trials' own actors and with Ray Train's worker group: each figure
+    is the per-trial wall-time difference less the trials' own training steps."""
+    out = report(bench("--shape", "t5-tiny", "--only", "study", "--json", timeout=1200))
+    figures = out["figures"]
+    assert set(figures) == {"study/fixed_cost_in_actor", "study/fixed_cost_worker_group"}, out["errors"]
+    for name, f in figures.items():
+        parts = f["parts"]
+        assert parts["trials"] == [1, 3] and parts["steps"] == 8
+        (w1, w3), (s1, s3) = parts["wall_s"], parts["training_s"]
+        assert 0 < w1 < w3 and 0 < s1 < s3  # the studies ran, and each trial's steps were counted
+        assert f["value"] == pytest.approx(((w3 - w1) - (s3 - s1)) / 2, rel=1e-9), name
+    assert figures["study/fixed_cost_in_actor"]["goal"] == 6.0
+    assert figures["study/fixed_cost_worker_group"]["goal"] is None
+
+
 @pytest.mark.parametrize("args, message", [
     (["--shape", "t5-huge"], "--shape: 't5-huge' is not a named shape"),
     (["--reps", "0"], "--reps: 0 is out of range"),

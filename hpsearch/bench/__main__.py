@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
 
-    from hpsearch.bench import memory, models, trial, zero
+    from hpsearch.bench import memory, models, study, trial, zero
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,6 +111,9 @@ def main(argv: list[str]) -> int:
         figures, errors = figures + f, {**errors, **e}
     if "trial" in groups:
         f, e = trial.run_trial(args.shape, log)
+        figures, errors = figures + f, {**errors, **e}
+    if "study" in groups:
+        f, e = study.run_study(args.shape, log)
         figures, errors = figures + f, {**errors, **e}
     if "memory" in groups:
         f, e = memory.run(args.memory_shape, log, args.memory_world)

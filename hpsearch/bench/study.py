@@ -1,0 +1,76 @@
+"""Group `study`: what a trial costs inside a study (`python -m hpsearch.tune`, as a user runs it, in subprocesses).
+
+In a study, Ray, the driver, the searcher and MLflow's parent run are up once; each trial then pays the hand-over
+from the previous one, its model and data, DeepSpeed, its evaluations, export and test scoring, and the trial's
+MLflow and Optuna bookkeeping. Two studies of the same space and budget, one trial and `TRIALS` trials (one at a
+time), differ by `TRIALS - 1` trials: their wall-time difference, less those trials' training steps (each trial's
+own `step_time` × steps, from its metrics.jsonl), divided by `TRIALS - 1`, is a trial's fixed cost. Measured for
+one-worker trials that train in their own Tune actor (`resources.worker_group=auto`, the default for one worker)
+and, for contrast, the same trials each launching Ray Train's worker group (`always`). One run per point, after an
+untimed warm-up study that fills the tokenizer and page caches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hpsearch.bench.timing import Figure
+from hpsearch.bench.trial import _DIST_VARS, FIXED_COST_GOAL, SMALL_DATA, TIMEOUT_S
+
+STEPS, TRIALS = 8, 3
+
+
+def _study(shape: str, tmp: Path, name: str, trials: int, worker_group: str, log) -> tuple[float, float]:
+    """(wall seconds, seconds its trials spent in training steps) of one study; a failure raises with its reason."""
+    env = {**{k: v for k, v in os.environ.items() if k not in _DIST_VARS}, "PYTHONWARNINGS": "ignore",
+           "TOKENIZERS_PARALLELISM": "false"}
+    storage = tmp / "runs"
+    cmd = [sys.executable, "-m", "hpsearch.tune", "--name", name, "--num-samples", str(trials),
+           "--storage-path", str(storage), "--tracking-uri", f"sqlite:///{tmp}/mlflow-{name}.db",
+           "--optuna-storage", f"sqlite:///{tmp}/optuna-{name}.db", f"model.backbone={shape}",
+           f"budget.max_steps={STEPS}", f"budget.eval_every={STEPS}", f"budget.grace_period={STEPS}",
+           f"train.log_every={STEPS}", *SMALL_DATA, "resources.workers=1", "resources.max_concurrent=1",
+           f"resources.worker_group={worker_group}"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    wall = time.perf_counter() - start
+    log(f"  {wall:.1f} s")
+    if proc.returncode != 0:
+        last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "(no output)")
+        raise RuntimeError(f"hpsearch.tune ({trials} trials, worker_group={worker_group}) exited "
+                           f"{proc.returncode}: {last[:300]}")
+    training = 0.0
+    for metrics in (storage / name / "trials").glob("*/metrics.jsonl"):
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        training += sum(row["step_time"] * STEPS for row in rows[-1:])  # one evaluation, at the last step
+    return wall, training
+
+
+def run_study(shape: str, log) -> tuple[list, dict]:
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="hpsearch-bench-study-") as tmp:
+        tmp = Path(tmp)
+        try:
+            log("study: untimed warm-up study, 1 trial")
+            _study(shape, tmp, "warm", 1, "auto", log)
+            for group, goal in (("auto", FIXED_COST_GOAL), ("always", None)):
+                points = {}
+                for trials in (1, TRIALS):
+                    log(f"study: {trials} trial(s), resources.worker_group={group}")
+                    points[trials] = _study(shape, tmp, f"{group}-{trials}", trials, group, log)
+                (w1, s1), (wn, sn) = points[1], points[TRIALS]
+                fixed = ((wn - w1) - (sn - s1)) / (TRIALS - 1)
+                what = ("fixed cost of a trial in a study, one worker training in the trial's own Tune actor"
+                        if group == "auto" else "the same, each trial launching Ray Train's worker group (contrast)")
+                figures.append(Figure(f"study/fixed_cost_{'in_actor' if group == 'auto' else 'worker_group'}",
+                                      fixed, goal, "lower", "s", what, parts={
+                                          "steps": STEPS, "trials": [1, TRIALS], "wall_s": [w1, wn],
+                                          "training_s": [s1, sn]}))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            return figures, {"study": str(e)[:400]}
+    return figures, {}
