@@ -174,6 +174,15 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     again = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/again",
                                  "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_40")))
     assert again == full and again["test_score"] is not None  # exports stay where the run wrote them
+    # that last checkpoint holds the result, not the training state (nothing trains on from it): a longer run
+    # from it is refused in one line before anything starts
+    assert not (tmp_path / "full" / "checkpoints" / "step_40" / "state").exists()
+    assert (tmp_path / "full" / "checkpoints" / "step_20" / "state").is_dir()
+    longer = run_train("--local", *FAST, "train.max_steps=60", f"train.output_dir={tmp_path}/longer",
+                       "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_40"), timeout=120)
+    assert longer.returncode == 2 and longer.stderr.count("\n") == 1, longer.stderr[-2000:]
+    assert "holds the run's result, not its training state" in longer.stderr
+    assert not (tmp_path / "longer").exists()
     # the exported model reloads with build_model and is a full model
     from hpsearch.model import build_model
     model = build_model(str(tmp_path / "full" / "model"))
@@ -256,8 +265,9 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     assert history[-1]["loss"] < history[0]["loss"] and base["loss"] == history[-1]["loss"]
     assert [h["best_score"] for h in history] == [history[0]["score"], max(h["score"] for h in history)]
     # --resume-from with Ray (Train V2 has no resume_from_checkpoint): from the run's last Ray checkpoint, which is
-    # its final step, the run reports the finished run's result again
-    (last,) = [p for p in (tmp_path / "a" / "ray").glob("*/checkpoint_*") if (p / "state").is_dir()]
+    # its final step (its result, no training state), the run reports the finished run's result again
+    (last,) = [p for p in (tmp_path / "a" / "ray").glob("*/checkpoint_*") if (p / "report.json").is_file()]
+    assert not (last / "state").exists()
     again = final_json(run_train(*args, "train.output_dir=c", "--resume-from", str(last), cwd=tmp_path))
     assert again == base  # the same result, exports included (they stay where the run wrote them)
     # a worker dies right after its step-20 report, before Ray Train's controller polled it (Train V2 polls): the

@@ -390,3 +390,20 @@ def test_method_is_a_searched_axis_with_its_own_fields():
 def test_a_field_no_chosen_method_uses_is_an_error(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
         load_space(write(tmp_path, text))
+
+
+def test_a_retried_trial_is_said_once_as_restarted_not_started_again(capsys):
+    from types import SimpleNamespace
+
+    from hpsearch.tune.progress import TrialEvents
+
+    events = TrialEvents(2, 20, 1, lambda result, failed: "failed" if failed else "complete")
+    trial = SimpleNamespace(trial_id="t1", config={"train.lr": 0.001}, last_result={}, error_file=None)
+    events.on_trial_start(0, [], trial)
+    events.on_trial_start(0, [], trial)  # Tune's retry after a failure
+    other = SimpleNamespace(trial_id="t2", config={"train.lr": 0.002}, last_result={}, error_file=None)
+    events.on_trial_start(0, [], other)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[hpsearch.tune] trial t1 started (1/2): train.lr=0.001",
+                     "[hpsearch.tune] trial t1 restarted after a failure (from its last checkpoint, if any)",
+                     "[hpsearch.tune] trial t2 started (2/2): train.lr=0.002"]

@@ -326,6 +326,7 @@ def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_p
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
+    assert out.count(" restarted after a failure") == 1 and out.count(" started (1/1)") == 1, out[-3000:]
     client, parents, children = study_runs(tmp_path, "oom")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     (child,) = children

@@ -80,7 +80,7 @@ def _check(cfg, corpus, resume_from) -> None:
     chunks = Chunks(texts, tokenizer, corpus.max_length - 1, corpus.heldout_chunks)
     if resume_from:
         from hpsearch.train import checkpoints
-        checkpoints.check_resume_dir(resume_from)
+        checkpoints.check_resume_dir(resume_from, cfg.train.max_steps)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
     _say(f"corpus: {len(texts)} texts, {chunks.tokens} tokens, {len(chunks.train)} pieces of "
          f"{corpus.max_length - 1} tokens to train on, {len(chunks.heldout)} held out; {cfg.train.max_steps} steps "

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     from hpsearch.model import check_local_backbone
     check_local_backbone(cfg.model.backbone)
     if args.resume_from:
-        checkpoints.check_resume_dir(args.resume_from)  # refused before anything starts, nothing unpickled
+        checkpoints.check_resume_dir(args.resume_from, cfg.train.max_steps)  # before anything starts, unpickling none
     if args.local and cfg.train.use_gpu and not torch.cuda.is_available():
         raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
     if args.local:

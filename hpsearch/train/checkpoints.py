@@ -80,13 +80,28 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
     return client
 
 
-def check_resume_dir(directory: str | Path) -> None:
-    """`--resume-from`: a checkpoint folder (holding state/) whose files are safe to load, or a one-line UserError,
-    before anything starts (nothing is unpickled)."""
+def check_resume_dir(directory: str | Path, max_steps: int | None = None) -> None:
+    """`--resume-from`: a checkpoint folder whose files are safe to load, or a one-line UserError, before anything
+    starts (nothing is unpickled). A checkpoint holds state/ (the training state), or is a finished run's last one,
+    which holds its result only (`is_result_only`): that one can be reported again, not trained on past its step."""
+    report = read_report(directory) if Path(directory).is_dir() else None
+    if is_result_only(directory, report):
+        if max_steps is not None and report["step"] < max_steps:
+            raise UserError(f"--resume-from: {directory} is the last checkpoint of a finished run (step "
+                            f"{report['step']}): it holds the run's result, not its training state, so it cannot "
+                            f"train on to train.max_steps={max_steps}; resume from an earlier checkpoint")
+        return
     if not (Path(directory) / "state").is_dir():
         raise UserError(f"--resume-from: {directory} is not a checkpoint (expected a directory holding "
                         "state/, e.g. <train.output_dir>/checkpoints/step_N)")
     check_files(directory)
+
+
+def is_result_only(directory: str | Path, report: dict | None) -> bool:
+    """A finished run's last checkpoint: its final report, no training state (the loop writes none at the last
+    step: a resume there reports the result again, and nothing trains on from it)."""
+    return bool(report and report.get("final") and isinstance(report.get("step"), int)
+                and not (Path(directory) / "state").is_dir())
 
 
 def check_files(directory: str | Path) -> None:

@@ -127,6 +127,15 @@ def _train(loop_config: dict, session) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     resume_dir = session.get_checkpoint_dir()
     if resume_dir:
+        done = checkpoints.read_report(resume_dir)
+        if done is not None and done.get("step", 0) >= cfg.train.max_steps:  # the run is over: its result is here
+            _rank0_print(rank, f"resumed from {resume_dir} at its last step {done['step']}: reporting its result")
+            session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
+            session.release_checkpoint_dir()
+            return done
+        if checkpoints.is_result_only(resume_dir, done):
+            raise UserError(f"checkpoint {resume_dir} is a finished run's last one (step {done['step']}, its result "
+                            f"only): it cannot train on to train.max_steps={cfg.train.max_steps}")
         client = checkpoints.load(engine, resume_dir, tag="state")
         try:
             sampler.load_state_dict(client["sampler"])
@@ -135,12 +144,6 @@ def _train(loop_config: dict, session) -> dict:
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"checkpoint {resume_dir} does not match this run's config (client state: "
                             f"{type(e).__name__}: {e})") from None
-        done = checkpoints.read_report(resume_dir) if step >= cfg.train.max_steps else None
-        if done is not None:  # restored at its last step: the run is over, its result is in the checkpoint
-            _rank0_print(rank, f"resumed from {resume_dir} at its last step {step}: reporting its result")
-            session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
-            session.release_checkpoint_dir()
-            return done
         _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
         lost = checkpoints.read_report(resume_dir) if session.unregistered else None
         if lost is not None:  # a worker died before Ray took this report: its metrics reach Tune and MLflow now
@@ -204,9 +207,10 @@ def _train(loop_config: dict, session) -> dict:
                 metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
                 final = metrics
                 with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
-                    engine.save_checkpoint(ckpt, tag="state", client_state={
-                        "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})
-                    if step == cfg.train.max_steps:
+                    if step < cfg.train.max_steps:
+                        engine.save_checkpoint(ckpt, tag="state", client_state={
+                            "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})
+                    else:  # the last checkpoint holds the run's result, no training state: nothing trains on from it
                         final = {**metrics, **finish(engine, objective, cfg, rank, best, session)}
                     if rank == 0:
                         with open(out_dir / "metrics.jsonl", "a") as f:
@@ -249,7 +253,7 @@ def _zero_stage(cfg, n_params: int, device, session, rank) -> int:
 def finish(engine, objective, cfg, rank, best, session) -> dict:
     """Load the best validation weights; the objective exports them (and scores them on the test split)."""
     out_dir = Path(cfg.train.output_dir)
-    if best.get("weights"):
+    if best.get("weights") and best["step"] != cfg.train.max_steps:  # else the engine holds them already
         filesystem, _ = session.best_dir()
         checkpoints.load_best(engine, rank, filesystem, best["weights"])
     else:  # no validation score ever (no validation rows): the last weights are the result

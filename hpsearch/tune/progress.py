@@ -40,6 +40,9 @@ class TrialEvents(Callback):
         print(f"[hpsearch.tune] {text}", file=sys.stdout, flush=True)
 
     def on_trial_start(self, iteration, trials, trial, **info):
+        if trial.trial_id in self._started:  # Tune retries it (budget.max_failures): not a new trial
+            self._say(f"trial {trial.trial_id} restarted after a failure (from its last checkpoint, if any)")
+            return
         self._started[trial.trial_id] = time.time()
         values = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(trial.config.items()))
         self._say(f"trial {trial.trial_id} started ({len(self._started)}/{self.total}): {values}")
