@@ -211,12 +211,17 @@ class StudyRun:
         if folder.is_dir() and any(folder.iterdir()):
             self.client.log_artifacts(self.run_id, str(folder), "report/plots")
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED", over: bool = False) -> None:
         """End the study's run and any trial run still marked RUNNING (an interrupted or crashed study's trials:
-        `--resume` reopens them) with `status`."""
+        `--resume` reopens them) with `status`. At a study's end (`over`) a trial run still RUNNING with nothing
+        logged belongs to a trial Tune lost (the driver was killed right after starting it, before Tune saved that
+        it had; the resumed study ran its configuration under a new trial): it is deleted, not kept as a trial."""
         running = self.client.search_runs([self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.run_id}' and "
                                           "attributes.status = 'RUNNING'")
         for run in running:
+            if over and not run.data.metrics:
+                self.client.delete_run(run.info.run_id)  # MLflow's soft delete (`mlflow gc` removes it for good)
+                continue
             self.client.set_terminated(run.info.run_id, status="KILLED" if status == "FINISHED" else status)
         self.client.set_terminated(self.run_id, status=status)
 
@@ -372,5 +377,5 @@ class SingleRun:
     def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), folder)
 
-    def finish(self, status: str = "FINISHED") -> None:
+    def finish(self, status: str = "FINISHED", over: bool = False) -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -197,7 +197,7 @@ def _report(comparison, parent, result_grid, elapsed, sizes, tasks, notes) -> in
     complete = sum(t.outcome == "complete" for t in trials)
     parent.log_report(tables.summary(table), {"hpsearch.trials_complete": str(complete)}, files, plot_dir)
     comparison.storage.push(comparison.name, "report")
-    parent.finish("FAILED" if not complete else "FINISHED")
+    parent.finish("FAILED" if not complete else "FINISHED", over=True)
     return 1 if not complete else 0
 
 

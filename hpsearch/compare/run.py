@@ -131,7 +131,6 @@ def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     storage_path, storage_fs = comparison.storage.ray_path()
     run_config = ray.tune.RunConfig(name=comparison.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events], verbose=0,
-                                    checkpoint_config=ray.tune.CheckpointConfig(num_to_keep=1),
                                     failure_config=ray.tune.FailureConfig(max_failures=spec.budget.max_failures))
     return ray.tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config)
 

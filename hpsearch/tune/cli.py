@@ -259,6 +259,9 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     from hpsearch.tracking import ui_command
     from hpsearch.tune import report as reporting
 
+    if study.optuna_storage:  # trials Tune lost to a killed driver are not left RUNNING in the Optuna study
+        from hpsearch.tune.optuna_store import fail_lost_trials
+        fail_lost_trials(study.optuna_storage, study.name)
     report_dir = study.dir / "report"
     shutil.rmtree(report_dir, ignore_errors=True)
     report = reporting.build(study, result_grid, report_dir / "plots")
@@ -276,7 +279,7 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     parent.log_report(metrics, tags, reporting.files(report, text), report_dir / "plots")
     study.storage.push(study.name, "report")
     all_failed = report.counts()["failed"] == len(report.rows)
-    parent.finish("FAILED" if all_failed else "FINISHED")
+    parent.finish("FAILED" if all_failed else "FINISHED", over=True)
     return 1 if all_failed else 0
 
 

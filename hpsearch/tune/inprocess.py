@@ -2,15 +2,19 @@
 group, so no Train controller and no worker actor to start per trial, and Tune reuses the actor (its imports,
 DeepSpeed's loaded ops) for the next trial.
 
-`TuneSession` is what the training loop reports through there, as `RaySession` is in a Ray Train worker: reports
-and checkpoints go to Tune (`ray.tune.report`), which keeps the newest checkpoint (`CheckpointConfig(num_to_keep=1)`)
-in the trial's folder and hands it back when it retries the trial or resumes the study; the best weights live where
-a Ray Train trial keeps them (`<study>/train/<trial id>/best`). A checkpoint Tune never registered (the actor died
-after uploading it, before Tune took the report) is found by its manifest, as in `RaySession`."""
+`TuneSession` is what the training loop reports through there, as `RaySession` is in a Ray Train worker. The
+checkpoints live where a Ray Train trial keeps them (`<study>/train/<trial id>/checkpoint_<step>`, with the best
+weights beside them in `best/`), each with its manifest; the newest complete one is where a retried or resumed trial
+continues (`checkpoints.newest_complete`), and older ones go once Tune has taken the newer report. Tune itself gets
+a small pointer checkpoint with each report (the report only, every one kept): Tune restores a trial from the
+pointer its saved state names, which therefore always exists (a study resumed from an older saved state would
+otherwise name a checkpoint already removed, and fail the trial), and the pointer's step tells whether the newest
+checkpoint's report reached Tune (else the loop reports it again)."""
 from __future__ import annotations
 
 import shutil
 import tempfile
+from pathlib import Path
 
 from hpsearch.train import checkpoints
 
@@ -18,45 +22,71 @@ from hpsearch.train import checkpoints
 class TuneSession:
     rank, world_size, local_rank, local_world_size, node_rank, nodes = 0, 1, 0, 1, 0, 1
 
-    def __init__(self, best_path: str, best_filesystem):
+    def __init__(self, train_path: str, filesystem):
+        """`train_path`: this trial's folder for checkpoints and best weights (a path of the pyarrow `filesystem`;
+        None: a local folder)."""
         import ray.tune
-        self._best = (best_path, best_filesystem)
-        self._ckpt = ray.tune.get_checkpoint()
-        storage = ray.tune.get_context().get_storage()
-        self.unregistered = False
-        newest = checkpoints.newest_complete(storage.storage_filesystem, storage.trial_fs_path, 1)
-        if newest is not None and (self._ckpt is None or newest[0] > checkpoints.reported_step(
-                self._ckpt.filesystem, self._ckpt.path)):
-            self._ckpt = ray.tune.Checkpoint(newest[1], filesystem=storage.storage_filesystem)
-            self.unregistered = True  # Tune (and so MLflow) never got its report: the loop reports it again
+        from pyarrow import fs
+        self.fs, self.path = filesystem or fs.LocalFileSystem(), train_path
+        self.local = filesystem is None
+        pointer = ray.tune.get_checkpoint()
+        registered = checkpoints.reported_step(pointer.filesystem, pointer.path) if pointer else -1
+        self._newest = checkpoints.newest_complete(self.fs, self.path, 1)
+        self.unregistered = self._newest is not None and self._newest[0] > registered  # the loop reports it again
         self._resume_dir = None
 
     def get_checkpoint_dir(self) -> str | None:
-        if self._ckpt is None:
+        if self._newest is None:
             return None
+        if self.local:
+            return self._newest[1]
+        from pyarrow import fs
         self._resume_dir = tempfile.mkdtemp(prefix="hpsearch-resume-")
-        return self._ckpt.to_directory(self._resume_dir)
+        fs.copy_files(self._newest[1], self._resume_dir, source_filesystem=self.fs,
+                      destination_filesystem=fs.LocalFileSystem())
+        return self._resume_dir
 
     def release_checkpoint_dir(self) -> None:
-        if self._resume_dir:
+        if self._resume_dir:  # a downloaded copy
             shutil.rmtree(self._resume_dir, ignore_errors=True)
 
     def best_dir(self):
-        path, filesystem = self._best
-        if filesystem is None:  # a local folder
-            from pyarrow import fs
-            return fs.LocalFileSystem(), path
-        return filesystem, path
+        return self.fs, f"{self.path}/best"
 
     def prune_best(self, current: str) -> None:
-        """Tune keeps one checkpoint (the latest), which refers to `current`: remove every other version."""
+        """The one checkpoint kept refers to `current`: remove every other version."""
         from hpsearch.train.sessions import _remove_unreferenced
-        _remove_unreferenced(*self.best_dir(), {current})
+        _remove_unreferenced(self.fs, f"{self.path}/best", {current})
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        """Uploads the checkpoint and waits until Tune took the report (or stops this trial there: ASHA)."""
+        """Store the checkpoint, then report (with its pointer) and wait until Tune took the report, or stop this
+        trial there (ASHA); then remove the older checkpoints."""
         import ray.tune
-        if checkpoint_dir:
-            checkpoints.write_manifest(checkpoint_dir, self.rank)
-        ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir
-                        else None)
+        if not checkpoint_dir:
+            ray.tune.report(metrics)
+            return
+        checkpoints.write_manifest(checkpoint_dir, self.rank)
+        target = f"{self.path}/checkpoint_{int(metrics['step']):06d}"
+        self._store(Path(checkpoint_dir), target)
+        with tempfile.TemporaryDirectory(prefix="hpsearch-pointer-") as pointer:
+            checkpoints.write_report(Path(pointer), metrics)
+            ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(pointer))
+        self._remove_all_but(target)
+
+    def _store(self, source: Path, target: str) -> None:
+        from pyarrow import fs
+        if self.local and source.resolve() == Path(target).resolve():  # the checkpoint it resumed from, again
+            return
+        if self.local:  # moved, not copied: written once
+            Path(target).mkdir(parents=True, exist_ok=True)
+            for child in sorted(source.iterdir(), key=lambda p: p.name.startswith("manifest_")):  # manifest last
+                shutil.move(str(child), str(Path(target) / child.name))
+            return
+        fs.copy_files(str(source), target, source_filesystem=fs.LocalFileSystem(), destination_filesystem=self.fs)
+
+    def _remove_all_but(self, keep: str) -> None:
+        from pyarrow import fs
+        for info in self.fs.get_file_info(fs.FileSelector(self.path, allow_not_found=True)):
+            if info.type == fs.FileType.Directory and info.base_name.startswith("checkpoint_") and \
+                    info.path.rstrip("/") != keep.rstrip("/"):
+                self.fs.delete_dir(info.path)

@@ -68,6 +68,18 @@ def recorded_studies(url: str) -> set[str]:
     return {s.study_name for s in open_storage(url).get_all_studies()}
 
 
+def fail_lost_trials(url: str, study_name: str) -> int:
+    """At a study's end: its Optuna trials still RUNNING are ones Tune lost (the driver was killed after asking for
+    them, before Tune saved that it had; Tune ran the study on without them): marked FAIL. Returns how many."""
+    import optuna
+
+    study = optuna.load_study(study_name=study_name, storage=open_storage(url))
+    lost = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    for trial in lost:
+        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    return len(lost)
+
+
 def dashboard_command(url: str) -> str:
     """The command that serves this storage on 127.0.0.1 (the `dashboard` extra installs optuna-dashboard)."""
     exe = Path(sys.executable).parent / "optuna-dashboard"

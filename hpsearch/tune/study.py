@@ -143,7 +143,7 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
     export_to = study.ray_path("trials", trial_id) if study.storage.remote else None
     try:
         if study.in_process:
-            _train_in_this_actor(cfg, f"{storage_path}/{trial_id}/best", storage_fs, watch, export_to)
+            _train_in_this_actor(cfg, f"{storage_path}/{trial_id}", storage_fs, watch, export_to)
         else:
             _train_with_ray_train(cfg, trial_id, storage_path, storage_fs, watch, export_to)
     except Exception as e:  # Ray Train wraps the worker's error with its traceback; ours is raised here as it is
@@ -169,7 +169,7 @@ def _train_with_ray_train(cfg: RunConfig, trial_id: str, storage_path: str, stor
     trainer.fit()
 
 
-def _train_in_this_actor(cfg: RunConfig, best_path: str, best_fs, watch, export_to) -> None:
+def _train_in_this_actor(cfg: RunConfig, train_path: str, train_fs, watch, export_to) -> None:
     """The training loop on one rank, here; ASHA stops it inside its report (Tune's SystemExit, not an error)."""
     started = time.time()
     from hpsearch.train import loop_config
@@ -177,7 +177,7 @@ def _train_in_this_actor(cfg: RunConfig, best_path: str, best_fs, watch, export_
     from hpsearch.tune.inprocess import TuneSession
 
     train_loop(loop_config(cfg, system_metrics=watch, export_to=export_to, startup={"trial": started}),
-               TuneSession(best_path, best_fs))
+               TuneSession(train_path, train_fs))
 
 
 def deterministic(reason: str) -> bool:
@@ -247,7 +247,6 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     run_config = ray.tune.RunConfig(name=study.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
-                                    checkpoint_config=ray.tune.CheckpointConfig(num_to_keep=1),  # in-process trials'
                                     verbose=0)
     return ray.tune.Tuner(trainable(study), tune_config=tune_config, run_config=run_config)
 
