@@ -27,7 +27,10 @@ def _ray_train_loop(loop_config: dict) -> None:
 
 
 def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
-    env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning", "TOKENIZERS_PARALLELISM": "false",
+           # a reused Tune actor waits this long for the stopped trial's thread (its batch prefetcher, its system
+           # metrics) before taking the next trial; Tune's 2 s default fails that trial on a busy machine
+           "TUNE_FUNCTION_THREAD_TIMEOUT_S": "60"}
     if not cfg.train.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env

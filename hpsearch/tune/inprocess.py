@@ -5,7 +5,7 @@ DeepSpeed's loaded ops) for the next trial.
 `TuneSession` is what the training loop reports through there, as `RaySession` is in a Ray Train worker. The
 checkpoints live where a Ray Train trial keeps them (`<study>/train/<trial id>/checkpoint_<step>`, with the best
 weights beside them in `best/`), each with its manifest; the newest complete one is where a retried or resumed trial
-continues (`checkpoints.newest_complete`), and older ones go once Tune has taken the newer report. Tune itself gets
+continues (`checkpoints.newest_complete`), and older ones go as soon as a newer one is complete. Tune itself gets
 a small pointer checkpoint with each report (the report only, every one kept): Tune restores a trial from the
 pointer its saved state names, which therefore always exists (a study resumed from an older saved state would
 otherwise name a checkpoint already removed, and fail the trial), and the pointer's step tells whether the newest
@@ -68,21 +68,26 @@ class TuneSession:
         checkpoints.write_manifest(checkpoint_dir, self.rank)
         target = f"{self.path}/checkpoint_{int(metrics['step']):06d}"
         self._store(Path(checkpoint_dir), target)
+        # the new one is complete: the older ones go now, not after the report, where ASHA may stop the trial (at its
+        # last step too); a restart finds this one, and reports it again if Tune never took it
+        self._remove_all_but(target)
         with tempfile.TemporaryDirectory(prefix="hpsearch-pointer-") as pointer:
             checkpoints.write_report(Path(pointer), metrics)
             ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(pointer))
-        self._remove_all_but(target)
 
     def _store(self, source: Path, target: str) -> None:
         from pyarrow import fs
-        if self.local and source.resolve() == Path(target).resolve():  # the checkpoint it resumed from, again
+        if checkpoints.complete_step(self.fs, target, 1) is not None:  # the checkpoint it resumed from, again
             return
         if self.local:  # moved, not copied: written once
-            Path(target).mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(target, ignore_errors=True)  # a part of one an earlier attempt left (killed while storing)
+            Path(target).mkdir(parents=True)
             for child in sorted(source.iterdir(), key=lambda p: p.name.startswith("manifest_")):  # manifest last
                 shutil.move(str(child), str(Path(target) / child.name))
             return
-        fs.copy_files(str(source), target, source_filesystem=fs.LocalFileSystem(), destination_filesystem=self.fs)
+        self.fs.delete_dir_contents(target, missing_dir_ok=True)
+        fs.copy_files(str(source), target, source_filesystem=fs.LocalFileSystem(), destination_filesystem=self.fs,
+                      use_threads=False)  # as Ray uploads to S3 (apache/arrow#32372)
 
     def _remove_all_but(self, keep: str) -> None:
         from pyarrow import fs
