@@ -253,9 +253,10 @@ def _zero_stage(cfg, n_params: int, device, session, rank) -> int:
 def finish(engine, objective, cfg, rank, best, session) -> dict:
     """Load the best validation weights; the objective exports them (and scores them on the test split)."""
     out_dir = Path(cfg.train.output_dir)
-    if best.get("weights") and best["step"] != cfg.train.max_steps:  # else the engine holds them already
-        filesystem, _ = session.best_dir()
-        checkpoints.load_best(engine, rank, filesystem, best["weights"])
+    if best.get("weights"):
+        if best["step"] != cfg.train.max_steps:  # else the engine holds them already
+            filesystem, _ = session.best_dir()
+            checkpoints.load_best(engine, rank, filesystem, best["weights"])
     else:  # no validation score ever (no validation rows): the last weights are the result
         best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
     return {**objective.finish(engine, best), "best_step": best["step"], "final": 1.0,

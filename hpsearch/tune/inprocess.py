@@ -59,8 +59,8 @@ class TuneSession:
         _remove_unreferenced(self.fs, f"{self.path}/best", {current})
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        """Store the checkpoint, then report (with its pointer) and wait until Tune took the report, or stop this
-        trial there (ASHA); then remove the older checkpoints."""
+        """Store the checkpoint and remove the older ones, then report (with its pointer) and wait until Tune took
+        the report, or stop this trial there (ASHA)."""
         import ray.tune
         if not checkpoint_dir:
             ray.tune.report(metrics)
