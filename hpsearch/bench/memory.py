@@ -118,6 +118,7 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     torch.distributed.barrier()
     peak.phase(None)
     Path(out).write_text(json.dumps({"rank": rank, "weights_bytes": weights, "phases": peak.phases}))
+    torch.distributed.destroy_process_group()  # left to the interpreter's exit, gloo's threads can abort it
 
 
 RUNS = {"recipe": ("partitioned", "one at a time"), "before": ("whole", "all at once")}  # name: (build, export)

@@ -94,3 +94,6 @@ for precision, ds in (("fp32", DS), ("bf16", {**DS, "bf16": {"enabled": True}}))
 
 with open(os.path.join(sys.argv[1], f"build{rank}.json"), "w") as f:
     json.dump(report, f)
+
+dist.barrier()
+dist.destroy_process_group()  # without it gloo's threads can abort the interpreter's exit ("terminate called ...")
