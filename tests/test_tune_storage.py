@@ -93,7 +93,19 @@ def test_storage_on_a_bucket_lists_copies_and_deletes(s3, tmp_path, monkeypatch)
     from pyarrow import fs
     with storage.fs.open_output_stream(f"{BUCKET}/unit/s1/train/t1/checkpoint_000/shard.pt") as out:
         out.write(b"\0" * 7)
+    with storage.fs.open_output_stream(f"{BUCKET}/unit/s1/train/t1/best/w.pt") as out:
+        out.write(b"\0" * 5)
+    for trial in ("trial_a", "trial_b"):  # a trial that trained in its own actor: Tune's pointer checkpoints
+        with storage.fs.open_output_stream(f"{BUCKET}/unit/s1/{trial}/checkpoint_000001/report.json") as out:
+            out.write(b"\0" * 3)
+        with storage.fs.open_output_stream(f"{BUCKET}/unit/s1/{trial}/result.json") as out:
+            out.write(b"{}")
     assert storage.delete("s1", "train/*/checkpoint_*") == 7
+    assert bucket_files("unit/s1/train") == {"t1/best/w.pt"}
+    assert storage.delete("s1", "trial_*/checkpoint_*") == 6  # every part of the pattern is a glob
+    assert bucket_files("unit/s1") == {"state.json", "trials/t1/model/w.bin", "trials/t1/config.yaml",
+                                       "train/t1/best/w.pt", "trial_a/result.json", "trial_b/result.json"}
+    assert storage.delete("s1", "train/*/best") == 5 and storage.delete("s1", "nothing_*/x") == 0
     assert bucket_files("unit/s1/train") == set()
     assert storage.ray_path("s1", "train") == (f"{BUCKET}/unit/s1/train", storage.fs)
     assert isinstance(storage.fs, fs.S3FileSystem)

@@ -133,22 +133,27 @@ class Storage:
                 self.pull(name, *(f"{folder}/{info.base_name}/{file}" for file in files))
 
     def delete(self, name: str, pattern: str) -> int:
-        """Remove the bucket's folders `<name>/<a>/<b>` matching `a/b` glob `pattern` (e.g. train/*/checkpoint_*);
-        returns the bytes removed."""
+        """Remove the bucket's folders `<name>/<a>/<b>/...` matching the glob `pattern`, one glob per level (e.g.
+        `train/*/checkpoint_*`, `trial_*/checkpoint_*`); returns the bytes removed."""
         if not self.remote:
             return 0
         import fnmatch
 
         from pyarrow import fs
-        head, tail = pattern.split("/", 1)
-        freed = 0
-        for info in self.fs.get_file_info(fs.FileSelector(self.remote_path(name, head), allow_not_found=True)):
-            for sub in self.fs.get_file_info(fs.FileSelector(info.path, allow_not_found=True)):
-                if sub.type == fs.FileType.Directory and fnmatch.fnmatch(f"{info.base_name}/{sub.base_name}", tail):
-                    freed += sum(f.size or 0 for f in self.fs.get_file_info(fs.FileSelector(sub.path,
-                                                                                            recursive=True)))
-                    self.fs.delete_dir(sub.path)
-        return freed
+        level = [self.remote_path(name)]
+        parts = pattern.split("/")
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            level = [info.path for folder in level
+                     for info in self.fs.get_file_info(fs.FileSelector(folder, allow_not_found=True))
+                     if info.type == fs.FileType.Directory and fnmatch.fnmatchcase(info.base_name, part)]
+            if last:
+                freed = 0
+                for folder in level:
+                    freed += sum(f.size or 0 for f in self.fs.get_file_info(fs.FileSelector(folder, recursive=True)))
+                    self.fs.delete_dir(folder)
+                return freed
+        return 0
 
 
 def download_dir(filesystem, path: str, target: Path) -> None:
