@@ -234,6 +234,19 @@ def test_cpu_offload_of_optimizer_and_parameters_trains(tmp_path):
     assert out["step"] == 6 and out["loss"] == out["loss"]  # finite
 
 
+def test_one_rank_process_group_ignores_a_master_address_inherited_from_the_shell():
+    """`--local` and in-process trials start a process group of one rank: a MASTER_ADDR / MASTER_PORT left in the
+    user's environment (another job's rendezvous) must not be dialled."""
+    code = ("import torch, deepspeed; from hpsearch.train.loop import _init_single_process_group as init; "
+            "init('gloo'); deepspeed.init_distributed('gloo'); t = torch.ones(2); torch.distributed.all_reduce(t); "
+            "print(torch.distributed.get_world_size(), t.tolist())")
+    env = {**os.environ, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-1] == "1 [1.0, 1.0]"
+
+
 def test_resume_from_a_non_checkpoint_is_one_line(tmp_path):
     proc = run_train("--local", "--resume-from", str(tmp_path), "train.max_steps=3", timeout=120)
     assert proc.returncode == 2 and "is not a checkpoint" in proc.stderr and "Traceback" not in proc.stderr

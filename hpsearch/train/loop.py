@@ -276,9 +276,10 @@ def _rank0_print(rank: int, text: str) -> None:
 
 
 def _init_single_process_group(backend: str) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.distributed.init_process_group(backend, rank=0, world_size=1)
+    """One rank (`--local`, or a trial training in its own Tune actor): an in-memory store, so no port is opened and
+    a MASTER_ADDR / MASTER_PORT inherited from the user's shell (another job's) is not followed. The environment
+    still names rank 0 of 1 at 127.0.0.1, which DeepSpeed reads (without it, it goes looking for MPI)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
