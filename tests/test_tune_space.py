@@ -305,6 +305,26 @@ def test_optuna_study_lives_in_its_database_and_a_restored_searcher_continues_it
     assert [s.study_name for s in optuna.get_all_study_summaries(url)] == ["s1"]
 
 
+def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is_one_line(tmp_path):
+    from optuna.trial import TrialState
+
+    from hpsearch.tune.optuna_store import fail_lost_trials
+    from hpsearch.tune.study import make_searcher
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    searcher = make_searcher(load_space(write(tmp_path, BASE)), url, "s1")
+    for trial_id in ("a", "b"):
+        searcher.suggest(trial_id)
+    searcher.on_trial_complete("a", {"score": 0.6, "best_score": 0.6, "step": 40, "training_iteration": 2})
+    assert fail_lost_trials(url, "s1") == 1  # "b" was asked for and never told: Tune lost it
+    assert [t.state for t in optuna.load_study(study_name="s1", storage=url).trials] == [TrialState.COMPLETE,
+                                                                                         TrialState.FAIL]
+    said = []
+    gone = f"sqlite:///{tmp_path}/no-such-folder/optuna.db"
+    assert fail_lost_trials(gone, "s1", said.append) == -1
+    assert len(said) == 1 and "\n" not in said[0] and gone in said[0] and "no-such-folder does not exist" in said[0]
+
+
 def test_optuna_dashboard_serves_the_study_on_loopback(tmp_path):
     import json
     import socket

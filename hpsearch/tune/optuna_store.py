@@ -68,15 +68,22 @@ def recorded_studies(url: str) -> set[str]:
     return {s.study_name for s in open_storage(url).get_all_studies()}
 
 
-def fail_lost_trials(url: str, study_name: str) -> int:
+def fail_lost_trials(url: str, study_name: str, say=print) -> int:
     """At a study's end: its Optuna trials still RUNNING are ones Tune lost (the driver was killed after asking for
-    them, before Tune saved that it had; Tune ran the study on without them): marked FAIL. Returns how many."""
+    them, before Tune saved that it had; Tune ran the study on without them): marked FAIL. Returns how many. A
+    database that cannot be reached then is said in one line (the study's report and prune go on); -1."""
     import optuna
 
-    study = optuna.load_study(study_name=study_name, storage=open_storage(url))
-    lost = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-    for trial in lost:
-        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=open_storage(url))
+        lost = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        for trial in lost:
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    except Exception as e:  # ConfigError from open_storage, SQLAlchemy's errors, a study deleted meanwhile
+        reason = " ".join(str(e).split())[:500]  # a ConfigError names the URL
+        say(f"[hpsearch.tune] the Optuna study {study_name}'s lost trials were not marked FAIL (trials RUNNING "
+            f"there were not run): {reason}")
+        return -1
     return len(lost)
 
 
