@@ -48,6 +48,33 @@ run_main(main, sys.argv[2:])
 """
 
 
+# the loop resuming from a copy of a checkpoint (as TuneSession downloads one from a bucket) whose report ASHA stops
+STOPPED_IN_REPORT = """
+import os, shutil, sys
+from hpsearch.config import load_config
+from hpsearch.train import loop_config
+from hpsearch.train.loop import train_loop
+from hpsearch.train.sessions import LocalSession
+
+class Downloaded(LocalSession):
+    def get_checkpoint_dir(self):
+        return shutil.copytree(self.resume_from, sys.argv[2])
+
+    def release_checkpoint_dir(self):
+        shutil.rmtree(sys.argv[2])
+
+    def report(self, metrics, checkpoint_dir=None):
+        print(f"reported step {metrics['step']}")
+        raise SystemExit(0)  # what Tune raises in a trial ASHA stops
+
+cfg = load_config(None, sys.argv[3:])
+try:
+    train_loop(loop_config(cfg), Downloaded(cfg, sys.argv[1]))
+finally:
+    print("copy left" if os.path.exists(sys.argv[2]) else "copy removed", flush=True)
+"""
+
+
 def run_train_recording(steps_file, *args, timeout=600):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-c", RECORDING, str(steps_file), *args], capture_output=True, text=True,
@@ -174,6 +201,14 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     again = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/again",
                                  "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_40")))
     assert again == full and again["test_score"] is not None  # exports stay where the run wrote them
+    # resumed from a downloaded copy of it (a study in a bucket) and stopped by ASHA inside that report (Tune's
+    # SystemExit): the copy is removed all the same
+    last = tmp_path / "full" / "checkpoints" / "step_40"
+    stopped = subprocess.run([sys.executable, "-c", STOPPED_IN_REPORT, str(last), str(tmp_path / "copy"), *FAST,
+                              f"train.output_dir={tmp_path}/stopped"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
+    assert stopped.stdout.splitlines()[-2:] == ["reported step 40", "copy removed"], stopped.stderr[-2000:]
     # that last checkpoint holds the result, not the training state (nothing trains on from it): a longer run
     # from it is refused in one line before anything starts
     assert not (tmp_path / "full" / "checkpoints" / "step_40" / "state").exists()

@@ -127,28 +127,29 @@ def _train(loop_config: dict, session) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     resume_dir = session.get_checkpoint_dir()
     if resume_dir:
-        done = checkpoints.read_report(resume_dir)
-        if done is not None and done.get("step", 0) >= cfg.train.max_steps:  # the run is over: its result is here
-            _rank0_print(rank, f"resumed from {resume_dir} at its last step {done['step']}: reporting its result")
-            session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
+        try:  # a downloaded copy goes however this ends: ASHA stops trials inside a report (Tune's SystemExit)
+            done = checkpoints.read_report(resume_dir)
+            if done is not None and done.get("step", 0) >= cfg.train.max_steps:  # the run is over: here is its result
+                _rank0_print(rank, f"resumed from {resume_dir} at its last step {done['step']}: reporting its result")
+                session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
+                return done
+            if checkpoints.is_result_only(resume_dir, done):
+                raise UserError(f"checkpoint {resume_dir} is a finished run's last one (step {done['step']}, its "
+                                f"result only): it cannot train on to train.max_steps={cfg.train.max_steps}")
+            client = checkpoints.load(engine, resume_dir, tag="state")
+            try:
+                sampler.load_state_dict(client["sampler"])
+                step, best = client["step"], client["best"]
+                checkpoints.set_rng_state(client["rng"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise UserError(f"checkpoint {resume_dir} does not match this run's config (client state: "
+                                f"{type(e).__name__}: {e})") from None
+            _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
+            lost = checkpoints.read_report(resume_dir) if session.unregistered else None
+            if lost is not None:  # a worker died before Ray took this report: its metrics reach Tune and MLflow now
+                session.report(lost, resume_dir if rank == 0 else None)
+        finally:
             session.release_checkpoint_dir()
-            return done
-        if checkpoints.is_result_only(resume_dir, done):
-            raise UserError(f"checkpoint {resume_dir} is a finished run's last one (step {done['step']}, its result "
-                            f"only): it cannot train on to train.max_steps={cfg.train.max_steps}")
-        client = checkpoints.load(engine, resume_dir, tag="state")
-        try:
-            sampler.load_state_dict(client["sampler"])
-            step, best = client["step"], client["best"]
-            checkpoints.set_rng_state(client["rng"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"checkpoint {resume_dir} does not match this run's config (client state: "
-                            f"{type(e).__name__}: {e})") from None
-        _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
-        lost = checkpoints.read_report(resume_dir) if session.unregistered else None
-        if lost is not None:  # a worker died before Ray took this report: its metrics reach Tune and MLflow now
-            session.report(lost, resume_dir if rank == 0 else None)
-        session.release_checkpoint_dir()
     elif rank == 0:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     objective.start(engine, device)
