@@ -261,6 +261,41 @@ def test_resume_restores_an_older_best_checkpoint(tmp_path):
     assert resumed["best_step"] == 20 and resumed["test_score"] == pytest.approx(full["test_score"], abs=1e-6)
 
 
+# a finished run's engine, counted in this process (automatic collection off: the count is deterministic), before
+# and after what a reused Tune actor does before its next trial
+RELEASED = """
+import gc, sys
+gc.disable()
+import torch
+from hpsearch.config import load_config
+from hpsearch.train import loop_config
+from hpsearch.train.loop import train_loop
+from hpsearch.train.sessions import LocalSession
+from hpsearch.tune.inprocess import release_previous_trial
+
+cfg = load_config(None, sys.argv[1:])
+train_loop(loop_config(cfg), LocalSession(cfg, None))
+count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects()),
+                 sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)))
+print(*count())
+release_previous_trial()
+print(*count())
+"""
+
+
+@pytest.mark.slow
+def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
+    """The engine a run leaves is in reference cycles (only a full collection frees it): an actor that trains the next
+    trial would hold two models at once without `release_previous_trial`."""
+    run = subprocess.run([sys.executable, "-c", RELEASED, "train.max_steps=4", "train.eval_every=4",
+                          "train.micro_batch_size=8", f"train.output_dir={tmp_path}"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    (engines, params), after = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()[-2:]]
+    assert engines == 1 and params > 0  # left by the run, until a collection
+    assert after == (0, 0)
+
+
 @pytest.mark.slow
 def test_cpu_offload_of_optimizer_and_parameters_trains(tmp_path):
     out = final_json(run_train("--local", "train.max_steps=6", "train.eval_every=6", "train.offload_optimizer=true",

@@ -174,8 +174,9 @@ def _train_in_this_actor(cfg: RunConfig, train_path: str, train_fs, watch, expor
     started = time.time()
     from hpsearch.train import loop_config
     from hpsearch.train.loop import train_loop
-    from hpsearch.tune.inprocess import TuneSession
+    from hpsearch.tune.inprocess import TuneSession, release_previous_trial
 
+    release_previous_trial()  # what the actor's last trial left (stopped by ASHA, failed, or done)
     train_loop(loop_config(cfg, system_metrics=watch, export_to=export_to, startup={"trial": started}),
                TuneSession(train_path, train_fs))
 
