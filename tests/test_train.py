@@ -271,14 +271,14 @@ from hpsearch.config import load_config
 from hpsearch.train import loop_config
 from hpsearch.train.loop import train_loop
 from hpsearch.train.sessions import LocalSession
-from hpsearch.tune.inprocess import release_previous_trial
+from hpsearch.tune.inprocess import free_trial_memory
 
 cfg = load_config(None, sys.argv[1:])
 train_loop(loop_config(cfg), LocalSession(cfg, None))
 count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects()),
                  sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)))
 print(*count())
-release_previous_trial()
+free_trial_memory()
 print(*count())
 """
 
@@ -286,7 +286,7 @@ print(*count())
 @pytest.mark.slow
 def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
     """The engine a run leaves is in reference cycles (only a full collection frees it): an actor that trains the next
-    trial would hold two models at once without `release_previous_trial`."""
+    trial would hold two models at once without `free_trial_memory`."""
     run = subprocess.run([sys.executable, "-c", RELEASED, "train.max_steps=4", "train.eval_every=4",
                           "train.micro_batch_size=8", f"train.output_dir={tmp_path}"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
@@ -308,8 +308,9 @@ def test_one_rank_process_group_ignores_a_master_address_inherited_from_the_shel
     """`--local` and in-process trials start a process group of one rank: a MASTER_ADDR / MASTER_PORT left in the
     user's environment (another job's rendezvous) must not be dialled."""
     code = ("import torch, deepspeed; from hpsearch.train.loop import _init_single_process_group as init; "
-            "init('gloo'); deepspeed.init_distributed('gloo'); t = torch.ones(2); torch.distributed.all_reduce(t); "
-            "print(torch.distributed.get_world_size(), t.tolist())")
+            "from hpsearch.train.ops import load_ops, ops_for; init('gloo'); load_ops(ops_for(False)); "
+            "deepspeed.init_distributed('gloo'); t = torch.ones(2); torch.distributed.all_reduce(t); "
+            "print(torch.distributed.get_world_size(), t.tolist())")  # load_ops: no lock left if the timeout kills it
     env = {**os.environ, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONWARNINGS": "ignore"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

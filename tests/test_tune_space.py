@@ -305,6 +305,22 @@ def test_optuna_study_lives_in_its_database_and_a_restored_searcher_continues_it
     assert [s.study_name for s in optuna.get_all_study_summaries(url)] == ["s1"]
 
 
+def test_a_trial_in_its_own_actor_frees_memory_before_and_after_it_trains(monkeypatch):
+    """The wiring of `free_trial_memory` (its effect: tests/test_train.py): a reused actor never holds two trials'
+    engines, nor the last one's while it waits."""
+    import hpsearch.train.loop as loop
+    import hpsearch.tune.inprocess as inprocess
+    from hpsearch.config import load_config
+    from hpsearch.tune.study import _train_in_this_actor
+
+    calls = []
+    monkeypatch.setattr(inprocess, "free_trial_memory", lambda: calls.append("free"))
+    monkeypatch.setattr(inprocess, "TuneSession", lambda path, filesystem: f"session at {path}")
+    monkeypatch.setattr(loop, "train_loop", lambda config, session: calls.append(session))
+    _train_in_this_actor(load_config(None, []), "/study/train/t1", None, None, None)
+    assert calls == ["free", "session at /study/train/t1", "free"]
+
+
 def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is_one_line(tmp_path):
     from optuna.trial import TrialState
 

@@ -31,7 +31,7 @@ FIXED_COST_GOAL = 6.0
 WRITTEN_GOAL, BEST_GOAL, COPIED_GOAL = 4.0, 1.0, 0.0
 SMALL_DATA = ["data.synthetic_train_rows=200", "data.synthetic_eval_rows=20"]
 TIMEOUT_S = 3600
-# the in-process groups' torch.distributed rendezvous (its port still held): not the subprocess's
+# the in-process groups' torch.distributed environment: not the subprocess's
 _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _STEP_LINE = re.compile(r"\[hpsearch\.train\] step \d+/\d+")
 

@@ -277,9 +277,10 @@ def _rank0_print(rank: int, text: str) -> None:
 
 
 def _init_single_process_group(backend: str) -> None:
-    """One rank (`--local`, or a trial training in its own Tune actor): an in-memory store, so no port is opened and
-    a MASTER_ADDR / MASTER_PORT inherited from the user's shell (another job's) is not followed. The environment
-    still names rank 0 of 1 at 127.0.0.1, which DeepSpeed reads (without it, it goes looking for MPI)."""
+    """One rank (`--local`, or a trial training in its own Tune actor): an in-memory store, so no rendezvous port is
+    served and a MASTER_ADDR / MASTER_PORT inherited from the user's shell (another job's) is not followed. The
+    environment still names rank 0 of 1 at 127.0.0.1 with a free port: DeepSpeed's CPU all-reduce names its shared
+    memory after MASTER_ADDR / MASTER_PORT."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 

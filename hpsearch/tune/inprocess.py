@@ -19,10 +19,11 @@ from pathlib import Path
 from hpsearch.train import checkpoints
 
 
-def release_previous_trial() -> None:
+def free_trial_memory() -> None:
     """A trial's DeepSpeed engine (model, optimizer state, buffers) ends in reference cycles that only a full
-    collection frees: a reused actor collects them before its next trial builds a model, so it never holds two (on
-    GPU the allocator's cached blocks go back too)."""
+    collection frees: a reused actor collects them when a trial returns and before the next one builds its model (a
+    trial ASHA stopped or that failed leaves its engine held by its exception until then), so it never holds two; on
+    GPU the allocator's cached blocks go back too."""
     import gc
 
     import torch

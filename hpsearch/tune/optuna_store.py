@@ -78,7 +78,7 @@ def fail_lost_trials(url: str, study_name: str, say=print) -> int:
         study = optuna.load_study(study_name=study_name, storage=open_storage(url))
         lost = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
         for trial in lost:
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     except Exception as e:  # ConfigError from open_storage, SQLAlchemy's errors, a study deleted meanwhile
         reason = " ".join(str(e).split())[:500]  # a ConfigError names the URL
         say(f"[hpsearch.tune] the Optuna study {study_name}'s lost trials were not marked FAIL (trials RUNNING "

@@ -150,7 +150,8 @@ class Storage:
             if last:
                 freed = 0
                 for folder in level:
-                    freed += sum(f.size or 0 for f in self.fs.get_file_info(fs.FileSelector(folder, recursive=True)))
+                    inside = fs.FileSelector(folder, recursive=True, allow_not_found=True)
+                    freed += sum(f.size or 0 for f in self.fs.get_file_info(inside))
                     self.fs.delete_dir(folder)
                 return freed
         return 0

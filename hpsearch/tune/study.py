@@ -174,11 +174,12 @@ def _train_in_this_actor(cfg: RunConfig, train_path: str, train_fs, watch, expor
     started = time.time()
     from hpsearch.train import loop_config
     from hpsearch.train.loop import train_loop
-    from hpsearch.tune.inprocess import TuneSession, release_previous_trial
+    from hpsearch.tune.inprocess import TuneSession, free_trial_memory
 
-    release_previous_trial()  # what the actor's last trial left (stopped by ASHA, failed, or done)
+    free_trial_memory()  # what the actor's last trial left when ASHA stopped it or it failed
     train_loop(loop_config(cfg, system_metrics=watch, export_to=export_to, startup={"trial": started}),
                TuneSession(train_path, train_fs))
+    free_trial_memory()  # nothing held while the actor waits for its next trial (or compare probes in it)
 
 
 def deterministic(reason: str) -> bool:
