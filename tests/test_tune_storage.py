@@ -115,19 +115,21 @@ def test_storage_on_a_bucket_lists_copies_and_deletes(s3, tmp_path, monkeypatch)
         open_storage("s3://")
 
 
-def tune(tmp_path, *args, mirror: str):
+def tune(tmp_path, *args, mirror: str, root: str):
     env = {**os.environ, "HPSEARCH_STORAGE_CACHE": str(tmp_path / mirror), "PYTHONWARNINGS": "ignore"}
-    return [sys.executable, "-m", "hpsearch.tune", "--name", "s3study", "--storage-path", f"s3://{BUCKET}/studies",
+    return [sys.executable, "-m", "hpsearch.tune", "--name", "s3study", "--storage-path", f"s3://{BUCKET}/{root}",
             "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", *args], env
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["2", "1"])  # Ray Train's worker group, or training in the trial's actor
 def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path, workers):
-    cmd, env = tune(tmp_path, "--num-samples", "3", *SHORT, f"resources.workers={workers}", mirror="mirror-a")
+    root = f"studies-{workers}w"  # one bucket for the module: each case's study in a folder of its own
+    cmd, env = tune(tmp_path, "--num-samples", "3", *SHORT, f"resources.workers={workers}", mirror="mirror-a",
+                    root=root)
     err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
-    assert f"--storage-path s3://{BUCKET}/studies --resume" in err
-    stored = bucket_files("studies/s3study")
+    assert f"--storage-path s3://{BUCKET}/{root} --resume" in err
+    stored = bucket_files(f"{root}/s3study")
     assert {"hpsearch-study.json", "space.yaml"} <= stored
     assert any(f.startswith("experiment_state") for f in stored)          # Tune's state is in the bucket
     assert any(f.startswith("train/") and "/checkpoint_" in f for f in stored)  # and the trials' checkpoints
@@ -137,13 +139,13 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
     done_before = {c.data.tags["hpsearch.trial_id"]: c.info.end_time for c in before if c.info.status == "FINISHED"}
 
     # another machine: nothing local but the MLflow store; the study comes back from the bucket
-    cmd, env = tune(tmp_path, "--resume", mirror="mirror-b")
+    cmd, env = tune(tmp_path, "--resume", mirror="mirror-b", root=root)
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     client, parents, children = study_runs(tmp_path, "s3study")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
-    stored = bucket_files("studies/s3study")
+    stored = bucket_files(f"{root}/s3study")
     complete = [c.data.tags["hpsearch.trial_id"] for c in children
                 if c.data.tags.get("hpsearch.outcome") == "complete"]
     assert complete and done_before
@@ -164,8 +166,8 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
 
     from hpsearch.model import build_model
     from hpsearch.tune.storage import download_dir
-    filesystem, root = fs.FileSystem.from_uri(f"s3://{BUCKET}/studies/s3study/trials/{complete[0]}/model")
-    download_dir(filesystem, root, tmp_path / "model")
+    filesystem, path = fs.FileSystem.from_uri(f"s3://{BUCKET}/{root}/s3study/trials/{complete[0]}/model")
+    download_dir(filesystem, path, tmp_path / "model")
     assert build_model(str(tmp_path / "model")).extra_parameters()["total"] > 0
 
 

@@ -280,6 +280,11 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     study.storage.push(study.name, "report")
     all_failed = report.counts()["failed"] == len(report.rows)
     parent.finish("FAILED" if all_failed else "FINISHED", over=True)
+    if all_failed and any("no space left on device" in row.error for row in report.rows):
+        # the trials filled the disk (a checkpoint, an export) while the study's own writes still fit: one line, as
+        # when they do not
+        raise UserError(f"no space left on device under {study.storage_path}; free space there, then run the study "
+                        "again (--resume does not retry failed trials)")
     return 1 if all_failed else 0
 
 
