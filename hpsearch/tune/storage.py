@@ -140,21 +140,17 @@ class Storage:
         import fnmatch
 
         from pyarrow import fs
-        level = [self.remote_path(name)]
-        parts = pattern.split("/")
-        for depth, part in enumerate(parts):
-            last = depth == len(parts) - 1
-            level = [info.path for folder in level
-                     for info in self.fs.get_file_info(fs.FileSelector(folder, allow_not_found=True))
-                     if info.type == fs.FileType.Directory and fnmatch.fnmatchcase(info.base_name, part)]
-            if last:
-                freed = 0
-                for folder in level:
-                    inside = fs.FileSelector(folder, recursive=True, allow_not_found=True)
-                    freed += sum(f.size or 0 for f in self.fs.get_file_info(inside))
-                    self.fs.delete_dir(folder)
-                return freed
-        return 0
+        matched = [self.remote_path(name)]
+        for part in pattern.split("/"):  # every level listed before anything is deleted
+            matched = [info.path for folder in matched
+                       for info in self.fs.get_file_info(fs.FileSelector(folder, allow_not_found=True))
+                       if info.type == fs.FileType.Directory and fnmatch.fnmatchcase(info.base_name, part)]
+        freed = 0
+        for folder in matched:
+            inside = fs.FileSelector(folder, recursive=True, allow_not_found=True)
+            freed += sum(f.size or 0 for f in self.fs.get_file_info(inside))
+            self.fs.delete_dir(folder)
+        return freed
 
 
 def download_dir(filesystem, path: str, target: Path) -> None:
