@@ -341,6 +341,38 @@ def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is
     assert len(said) == 1 and "\n" not in said[0] and gone in said[0] and "no-such-folder does not exist" in said[0]
 
 
+def test_a_full_disk_is_one_line_that_says_whether_resume_helps(tmp_path, monkeypatch):
+    """The study's run is ended FAILED either way. A disk that filled under Tune (trials left): `--resume` continues.
+    Every trial failed on it (the report's ending): run again, and that line is not replaced by the `--resume` one
+    when the disk is still full."""
+    import errno
+    import shutil
+    from types import SimpleNamespace
+
+    import hpsearch.tune.cli as cli
+
+    study = SimpleNamespace(name="s", storage_path=tmp_path / "runs", storage=SimpleNamespace(remote=False),
+                            dir=tmp_path / "runs" / "s")
+    ended = []
+    parent = SimpleNamespace(finish=lambda status, over=False: ended.append(status))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=0))  # still full
+
+    def stops_with(error):
+        def run(*args):
+            raise error
+        monkeypatch.setattr(cli, "_run", run)
+        with pytest.raises(UserError) as caught:
+            cli._run_and_end(study, parent, tuner=None)
+        return str(caught.value)
+
+    said = stops_with(OSError(errno.ENOSPC, "No space left on device"))
+    assert said == (f"no space left on device under {tmp_path / 'runs'}; free space there, then continue with: "
+                    f"python -m hpsearch.tune --name s --storage-path {tmp_path / 'runs'} --resume")
+    said = stops_with(cli._no_space(study, resume=False))
+    assert said.endswith("free space there, then run the study again (--resume does not retry failed trials)")
+    assert ended == ["FAILED", "FAILED"]
+
+
 def test_optuna_dashboard_serves_the_study_on_loopback(tmp_path):
     import json
     import socket

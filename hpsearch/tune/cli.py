@@ -221,18 +221,24 @@ def main(argv: list[str]) -> int:
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
                                study.trial_config, study.outcome)
         tuner = make_tuner(study, [trial_runs], max_concurrent)
+    return _run_and_end(study, parent, tuner)
+
+
+def _run_and_end(study: Study, parent, tuner) -> int:
+    """`_run`, with the study's MLflow run ended however it stops, and a full disk said in one line."""
     try:
         return _run(study, parent, tuner)
     except KeyboardInterrupt:  # a second Ctrl-C: the study's runs are not left RUNNING
         parent.finish("KILLED")
         raise
+    except UserError:  # already one line (the report's full-disk ending); ending the run again is harmless
+        parent.finish("FAILED")
+        raise
     except Exception as e:  # e.g. Tune's own state, a trial's error file or the report could not be written
         from hpsearch.train.checkpoints import disk_full
         parent.finish("FAILED")
         if disk_full(e) or (not study.storage.remote and shutil.disk_usage(study.dir.parent).free < 2**20):
-            raise UserError(f"no space left on device under {study.storage_path}; free space there, then continue "
-                            f"with: python -m hpsearch.tune --name {study.name} --storage-path "
-                            f"{study.storage_path} --resume") from None
+            raise _no_space(study, resume=True) from None
         raise
     except BaseException:  # the driver crashed
         parent.finish("FAILED")
@@ -283,9 +289,16 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     if all_failed and any("no space left on device" in row.error for row in report.rows):
         # the trials filled the disk (a checkpoint, an export) while the study's own writes still fit: one line, as
         # when they do not
-        raise UserError(f"no space left on device under {study.storage_path}; free space there, then run the study "
-                        "again (--resume does not retry failed trials)")
+        raise _no_space(study, resume=False)
     return 1 if all_failed else 0
+
+
+def _no_space(study: Study, resume: bool) -> UserError:
+    """The one line for a full disk. `resume`: trials are left that `--resume` would run; otherwise every trial
+    ended (failed), and a resume would not retry them."""
+    then = (f"continue with: python -m hpsearch.tune --name {study.name} --storage-path {study.storage_path} --resume"
+            if resume else "run the study again (--resume does not retry failed trials)")
+    return UserError(f"no space left on device under {study.storage_path}; free space there, then {then}")
 
 
 def _study_params(study: Study) -> dict:
