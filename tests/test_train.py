@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -410,6 +411,13 @@ def test_newest_complete_checkpoint_needs_every_ranks_files_in_full(tmp_path):
     shard.write_bytes(shard.read_bytes()[:50])  # an upload cut short
     assert checkpoints.newest_complete(local, str(tmp_path), 2) == (20, str(tmp_path / "checkpoint_a"))
     assert checkpoints.reported_step(local, str(c)) == 60 and checkpoints.reported_step(local, str(tmp_path)) == -1
+    # whether Ray took the newest one's report: it hands back the checkpoint it registered last (or none)
+    taken = lambda folder: SimpleNamespace(filesystem=local, path=str(tmp_path / folder))
+    a = (20, str(tmp_path / "checkpoint_a"))
+    assert checkpoints.newest_unreported(local, str(tmp_path), 2, None) == (a, True)
+    assert checkpoints.newest_unreported(local, str(tmp_path), 2, taken("checkpoint_a")) == (a, False)
+    assert checkpoints.newest_unreported(local, str(tmp_path), 1, taken("checkpoint_a")) == ((60, str(c)), True)
+    assert checkpoints.newest_unreported(local, str(tmp_path / "absent"), 2, None) == (None, False)
 
 
 def test_failure_reason_is_the_exception_line_not_a_header_or_the_source_that_raised_it():

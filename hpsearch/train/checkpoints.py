@@ -265,6 +265,16 @@ def newest_complete(filesystem, experiment_path: str, world: int) -> tuple[int, 
     return max(found) if found else None
 
 
+def newest_unreported(filesystem, experiment_path: str, world: int, taken) -> tuple[tuple[int, str] | None, bool]:
+    """The newest complete checkpoint under `experiment_path` (`newest_complete`), and whether Ray never took its
+    report: it is newer than `taken`, the checkpoint Ray or Tune hands back (an object with `filesystem` and `path`;
+    None: none). A worker killed after writing it but before Ray polled its report leaves it so; the loop then
+    reports it again when it resumes from it."""
+    newest = newest_complete(filesystem, experiment_path, world)
+    step = reported_step(taken.filesystem, taken.path) if taken is not None else -1
+    return newest, newest is not None and newest[0] > step
+
+
 def reported_step(filesystem, path: str) -> int:
     """The step a checkpoint (a pyarrow filesystem path) was reported at; -1 if it carries no readable report."""
     try:

@@ -71,12 +71,10 @@ class RaySession:
         self.nodes = self.world_size // max(1, self.local_world_size)
         self._ckpt = ray.train.get_checkpoint()
         storage = ctx.get_storage()
-        self.unregistered = False
-        newest = checkpoints.newest_complete(storage.storage_filesystem, storage.experiment_fs_path, self.world_size)
-        if newest is not None and (self._ckpt is None or newest[0] > checkpoints.reported_step(
-                self._ckpt.filesystem, self._ckpt.path)):
+        newest, self.unregistered = checkpoints.newest_unreported(
+            storage.storage_filesystem, storage.experiment_fs_path, self.world_size, self._ckpt)
+        if self.unregistered:  # Ray (and so Tune, MLflow) never got its report: the loop reports it again
             self._ckpt = ray.train.Checkpoint(newest[1], filesystem=storage.storage_filesystem)
-            self.unregistered = True  # Ray (and so Tune, MLflow) never got its report: the loop reports it again
         self._resume_from = resume_from
         self._resume_dir = None
 

@@ -42,10 +42,8 @@ class TuneSession:
         from pyarrow import fs
         self.fs, self.path = filesystem or fs.LocalFileSystem(), train_path
         self.local = filesystem is None
-        pointer = ray.tune.get_checkpoint()
-        registered = checkpoints.reported_step(pointer.filesystem, pointer.path) if pointer else -1
-        self._newest = checkpoints.newest_complete(self.fs, self.path, 1)
-        self.unregistered = self._newest is not None and self._newest[0] > registered  # the loop reports it again
+        self._newest, self.unregistered = checkpoints.newest_unreported(self.fs, self.path, 1,
+                                                                        ray.tune.get_checkpoint())
         self._resume_dir = None
 
     def get_checkpoint_dir(self) -> str | None:
