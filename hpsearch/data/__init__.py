@@ -11,16 +11,29 @@
     scores = score_task(task, decode(tokenizer, generated_ids), suite.split(task, "validation"))
     overall = suite_score({task: scores["score"], ...})
 """
-from hpsearch.data.config import DataConfig
-from hpsearch.data.metrics import score_task, suite_score
-from hpsearch.data.sampling import MultiTaskSampler, task_probabilities
-from hpsearch.data.spec import Example, TaskSpec
-from hpsearch.data.suite import SPLITS, Suite, load_suite
-from hpsearch.data.tasks import GLUE_SUITE, TASKS, get_task
-from hpsearch.data.tokenizer import decode, encode_batch, get_tokenizer, is_offline_shape
+from __future__ import annotations
 
-__all__ = [
-    "GLUE_SUITE", "SPLITS", "TASKS", "DataConfig", "Example", "MultiTaskSampler", "Suite", "TaskSpec",
-    "decode", "encode_batch", "get_task", "get_tokenizer", "is_offline_shape", "load_suite", "score_task",
-    "suite_score", "task_probabilities",
-]
+import importlib
+
+# where each public name lives: imported on first use (PEP 562), so reading and validating a config does not import
+# the tokenizer, scikit-learn or torch
+_WHERE = {
+    "DataConfig": "config", "score_task": "metrics", "suite_score": "metrics", "MultiTaskSampler": "sampling",
+    "task_probabilities": "sampling", "Example": "spec", "TaskSpec": "spec", "SPLITS": "suite", "Suite": "suite",
+    "load_suite": "suite", "GLUE_SUITE": "tasks", "TASKS": "tasks", "get_task": "tasks", "decode": "tokenizer",
+    "encode_batch": "tokenizer", "get_tokenizer": "tokenizer", "is_offline_shape": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
