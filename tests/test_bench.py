@@ -111,19 +111,19 @@ def test_memory_group_builds_under_zero_init_and_gathers_one_parameter_at_a_time
 
 @pytest.mark.slow
 def test_study_group_tiny_shape():
-    """Studies of 1 and 3 one-worker trials, in the trials' own actors and with Ray Train's worker group: each figure
-    is the per-trial wall-time difference less the trials' own training steps."""
-    out = report(bench("--shape", "t5-tiny", "--only", "study", "--json", timeout=1200))
-    figures = out["figures"]
-    assert set(figures) == {"study/fixed_cost_in_actor", "study/fixed_cost_worker_group"}, out["errors"]
-    for name, f in figures.items():
-        parts = f["parts"]
-        assert parts["trials"] == [1, 3] and parts["steps"] == 8
-        (w1, w3), (s1, s3) = parts["wall_s"], parts["training_s"]
-        assert 0 < w1 < w3 and 0 < s1 < s3  # the studies ran, and each trial's steps were counted
-        assert f["value"] == pytest.approx(((w3 - w1) - (s3 - s1)) / 2, rel=1e-9), name
-    assert figures["study/fixed_cost_in_actor"]["goal"] == 6.0
-    assert figures["study/fixed_cost_worker_group"]["goal"] is None
+    """Studies of 1 and 2 one-worker trials training in the trials' own actors (the group's code, run here without
+    its warm-up study and its worker-group contrast, which differ only in the `resources.worker_group` they pass):
+    the figure is the per-trial wall-time difference less the trials' own training steps."""
+    from hpsearch.bench import study
+
+    figures, errors = study.run_study("t5-tiny", lambda text: None, groups=("auto",), trials=2, warm_up=False)
+    assert not errors and [f.name for f in figures] == ["study/fixed_cost_in_actor"], errors
+    (f,) = figures
+    assert f.parts["trials"] == [1, 2] and f.parts["steps"] == study.STEPS == 8
+    (w1, w2), (s1, s2) = f.parts["wall_s"], f.parts["training_s"]
+    assert 0 < w1 < w2 and 0 < s1 < s2  # the studies ran, and each trial's steps were counted
+    assert f.value == pytest.approx((w2 - w1) - (s2 - s1), rel=1e-9)
+    assert f.goal == 6.0
 
 
 @pytest.mark.parametrize("args, message", [

@@ -56,7 +56,8 @@ def mlflow_server(tmp_path):
 def test_study_tracks_to_an_mlflow_server_with_system_metrics(tmp_path, mlflow_server):
     out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "srv", "--storage-path",
                           str(tmp_path / "runs"), "--tracking-uri", mlflow_server, "--num-samples", "2",
-                          "--system-metrics", "1", *SHORT], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                          "--system-metrics", "1", *SHORT, "resources.workers=1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"mlflow ui --backend-store-uri {mlflow_server}" not in out.stdout  # a server needs no `mlflow ui`
     client = MlflowClient(mlflow_server)

@@ -125,7 +125,10 @@ def tune(tmp_path, *args, mirror: str, root: str):
 @pytest.mark.parametrize("workers", ["2", "1"])  # Ray Train's worker group, or training in the trial's actor
 def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path, workers):
     root = f"studies-{workers}w"  # one bucket for the module: each case's study in a folder of its own
-    cmd, env = tune(tmp_path, "--num-samples", "3", *SHORT, f"resources.workers={workers}", mirror="mirror-a",
+    # a trial in its own actor is quick: 200 steps, so that the Ctrl-C comes while the second one trains
+    budget = SHORT if workers == "2" else ["budget.max_steps=200", "budget.eval_every=100",
+                                           "budget.grace_period=100", *SHORT[3:]]
+    cmd, env = tune(tmp_path, "--num-samples", "3", *budget, f"resources.workers={workers}", mirror="mirror-a",
                     root=root)
     err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
     assert f"--storage-path s3://{BUCKET}/{root} --resume" in err

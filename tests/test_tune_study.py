@@ -207,7 +207,7 @@ def interrupt_after_first_trial(cmd, tmp_path, name, env=None) -> str:
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         started = wait_for(lambda: len(finished_children(tmp_path, name)) >= 1
-                           and len(study_runs(tmp_path, name)[2]) >= 2, 600, proc)
+                           and len(study_runs(tmp_path, name)[2]) >= 2, 600, proc, poll=0.5)
         assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
@@ -220,8 +220,12 @@ def interrupt_after_first_trial(cmd, tmp_path, name, env=None) -> str:
 
 @pytest.mark.slow
 def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
-    err = interrupt_after_first_trial(tune_cmd(tmp_path, "resume", "--num-samples", "3", *SHORT), tmp_path,
-                                      "resume")
+    """Ctrl-C after the first trial, then `--resume`. One-worker trials (in their own actors): the resume is Tune's
+    and the searcher's, whatever trains the trial (the worker group's own resume: the driver-kill and bucket tests).
+    200 steps a trial: with 20, a trial in its actor took ~3 s, and the study ended before the Ctrl-C."""
+    budget = ["budget.max_steps=200", "budget.eval_every=100", "budget.grace_period=100", *SHORT[3:]]
+    err = interrupt_after_first_trial(tune_cmd(tmp_path, "resume", "--num-samples", "3", *budget,
+                                               "resources.workers=1"), tmp_path, "resume")
     assert "--resume" in err
     client, parents, before = study_runs(tmp_path, "resume")
     assert len(parents) == 1 and parents[0].info.status == "KILLED"
@@ -311,15 +315,17 @@ def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_p
     """What Ray's memory monitor does under pressure: SIGKILL a running trial's own driver (Tune's actor, owner of
     the Train run, or with one worker the process training it) after its first evaluation. Tune retries the trial;
     its new Train run starts once the old run's workers and placement group are released (no start-up timeout
-    waited out), continues from the step-10 checkpoint, and the study finishes with one MLflow child holding each
-    evaluation once."""
-    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *SHORT, f"resources.workers={workers}"),
+    waited out), continues from the step-100 checkpoint, and the study finishes with one MLflow child holding each
+    evaluation once. (100 steps between the evaluations: with 10, a one-worker trial of t5-tiny logged the second
+    0.4 s after the first, and finished before the kill.)"""
+    budget = ["budget.max_steps=200", "budget.eval_every=100", "budget.grace_period=100", *SHORT[3:]]
+    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *budget, f"resources.workers={workers}"),
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def evaluated_once():
         try:
             client, _, children = study_runs(tmp_path, "oom")
-            return any(steps(client, c.info.run_id) == [10] for c in children)
+            return any(steps(client, c.info.run_id) == [100] for c in children)
         except Exception:  # the store or the experiment is not there yet
             return False
     try:
@@ -339,7 +345,7 @@ def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_p
     (child,) = children
     assert child.info.status == "FINISHED" and child.data.tags["hpsearch.outcome"] == "complete"
     assert child.data.tags["hpsearch.retries"] == "1"
-    assert steps(client, child.info.run_id) == [10, 20]  # went on from step 10, each evaluation logged once
+    assert steps(client, child.info.run_id) == [100, 200]  # went on from step 100, each evaluation logged once
 
 
 @pytest.mark.slow

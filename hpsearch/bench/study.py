@@ -51,25 +51,30 @@ def _study(shape: str, tmp: Path, name: str, trials: int, worker_group: str, log
     return wall, training
 
 
-def run_study(shape: str, log) -> tuple[list, dict]:
+def run_study(shape: str, log, groups=("auto", "always"), trials: int = TRIALS,
+              warm_up: bool = True) -> tuple[list, dict]:
+    """The group's figures, and its error if a study failed. `groups`, `trials` and `warm_up` are for the smoke
+    test: the benchmark measures both groups, `TRIALS` trials, after a warm-up study."""
     figures = []
     with tempfile.TemporaryDirectory(prefix="hpsearch-bench-study-") as tmp:
         tmp = Path(tmp)
         try:
-            log("study: untimed warm-up study, 1 trial")
-            _study(shape, tmp, "warm", 1, "auto", log)
-            for group, goal in (("auto", FIXED_COST_GOAL), ("always", None)):
+            if warm_up:
+                log("study: untimed warm-up study, 1 trial")
+                _study(shape, tmp, "warm", 1, "auto", log)
+            for group in groups:
+                goal = FIXED_COST_GOAL if group == "auto" else None
                 points = {}
-                for trials in (1, TRIALS):
-                    log(f"study: {trials} trial(s), resources.worker_group={group}")
-                    points[trials] = _study(shape, tmp, f"{group}-{trials}", trials, group, log)
-                (w1, s1), (wn, sn) = points[1], points[TRIALS]
-                fixed = ((wn - w1) - (sn - s1)) / (TRIALS - 1)
+                for n in (1, trials):
+                    log(f"study: {n} trial(s), resources.worker_group={group}")
+                    points[n] = _study(shape, tmp, f"{group}-{n}", n, group, log)
+                (w1, s1), (wn, sn) = points[1], points[trials]
+                fixed = ((wn - w1) - (sn - s1)) / (trials - 1)
                 what = ("fixed cost of a trial in a study, one worker training in the trial's own Tune actor"
                         if group == "auto" else "the same, each trial launching Ray Train's worker group (contrast)")
                 figures.append(Figure(f"study/fixed_cost_{'in_actor' if group == 'auto' else 'worker_group'}",
                                       fixed, goal, "lower", "s", what, parts={
-                                          "steps": STEPS, "trials": [1, TRIALS], "wall_s": [w1, wn],
+                                          "steps": STEPS, "trials": [1, trials], "wall_s": [w1, wn],
                                           "training_s": [s1, sn]}))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             return figures, {"study": str(e)[:400]}
