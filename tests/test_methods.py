@@ -80,6 +80,32 @@ def test_mixed_batch_equals_rows_run_task_by_task(name, batch):
 
 
 @pytest.mark.parametrize("name", SETUPS)
+def test_generators_run_for_the_batchs_tasks_only_and_give_the_all_task_values(name, batch, monkeypatch):
+    """A batch of tasks c and a (no b): the generators are asked for [a, c] only, and the outputs and every
+    gradient equal those of the all-task path (every task's table, indexed by the task ids themselves)."""
+    from hpsearch.model.base import TaskContext
+
+    model = perturb(make(name))  # eval: no dropout; not frozen, so the generators run on every call
+    two = {**batch, "task_ids": torch.tensor([2, 0, 2, 0])}
+    asked, generate = [], model.generate_task_tensors
+    monkeypatch.setattr(model, "generate_task_tensors",
+                        lambda device=None, tasks=None: asked.append(tasks) or generate(device, tasks))
+    out = model(**two)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in method_params(model).items() if p.grad is not None}
+    assert [t.tolist() for t in asked] == [[0, 2]]
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(model, "task_context",
+                        lambda task_ids, batch_size=None: TaskContext(task_ids, generate(task_ids.device)))
+    every = model(**two)
+    every.loss.backward()
+    assert (out.logits - every.logits).abs().max() <= 1e-5
+    for n, p in method_params(model).items():
+        mine, theirs = grads.get(n, torch.zeros_like(p)), p.grad if p.grad is not None else torch.zeros_like(p)
+        assert torch.allclose(mine, theirs, atol=1e-6), n
+
+
+@pytest.mark.parametrize("name", SETUPS)
 def test_generation_cached_equals_uncached_and_beams_follow_tasks(name, batch):
     model = make(name, seed=3, config=tiny_config(d_model=64, d_kv=16))
     overfit(model, batch)  # an untrained model decodes one token over and over: make decoding non-trivial

@@ -2,9 +2,11 @@
 
 A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this class never names a method.
 
-    generate_task_tensors(device)   per-task tensors for *all* tasks made by the method's generators
-                                    (hypernetworks): {key: tensor or tuple of tensors, each [num_tasks, ...]}.
-                                    `freeze_task_params()` caches them so inference does not pay the generators.
+    generate_task_tensors(device, tasks)   per-task tensors made by the method's generators (hypernetworks) for
+                                    `tasks` (a sorted LongTensor of task indices; None: all), {key: tensor or
+                                    tuple of tensors, each [len(tasks), ...]}. A training or uncached call asks
+                                    only for the tasks its batch holds; `freeze_task_params()` caches them for all
+                                    tasks so inference does not pay the generators.
     attention_prompts(ctx)          {(side, layer): (keys, values)} prepended inside self-attention (attention.py)
     prepare_encoder_inputs(ctx, x)  rewrite the encoder inputs {input_ids, attention_mask, inputs_embeds}
     parallel_branch(ctx, site, x)   a branch beside a module, fed the module's input x; its result is added to the
@@ -49,11 +51,14 @@ class Formula:
 
 
 class TaskContext:
-    """One call's task information: validated `task_ids` [batch] (or None) and the per-task tensor table."""
+    """One call's task information: validated `task_ids` [batch] (or None) and the per-task tensor table, whose
+    row for each batch row is `table_ids` (the task id itself when the table holds every task, else its position
+    among the tasks the table was generated for)."""
 
-    def __init__(self, task_ids: torch.Tensor | None, table: dict):
+    def __init__(self, task_ids: torch.Tensor | None, table: dict, table_ids: torch.Tensor | None = None):
         self.task_ids = task_ids
         self.table = table
+        self.table_ids = task_ids if table_ids is None else table_ids
         self._rows: dict = {}
 
     def ids(self, batch: int | None = None) -> torch.Tensor:
@@ -67,7 +72,8 @@ class TaskContext:
         batch = batch if batch is not None else self.ids().numel()
         if (key, batch) not in self._rows:
             value = self.table[key]
-            ids = self.ids(batch)
+            self.ids()  # task_ids is required
+            ids = expand_rows(self.table_ids, batch)
             index = lambda t: per_row(t, ids)
             self._rows[(key, batch)] = tuple(map(index, value)) if isinstance(value, tuple) else index(value)
         return self._rows[(key, batch)]
@@ -129,8 +135,9 @@ class MultiTaskT5(nn.Module):
         return self.t5.config
 
     # ---- the hooks a method fills in ----------------------------------------------------------------------
-    def generate_task_tensors(self, device=None) -> dict:
-        """Per-task tensors for all tasks, {key: tensor | tuple, each [num_tasks, ...]}. MTL: none."""
+    def generate_task_tensors(self, device=None, tasks: torch.Tensor | None = None) -> dict:
+        """Per-task tensors for `tasks` (sorted task indices; None: all), {key: tensor | tuple, each
+        [len(tasks), ...]}. MTL: none."""
         return {}
 
     def attention_prompts(self, ctx: TaskContext) -> Prompts:
@@ -184,9 +191,14 @@ class MultiTaskT5(nn.Module):
                                  f"got shape {tuple(task_ids.shape)}")
             if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
                 raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
-        table = self._frozen if self._frozen is not None else \
-            self.generate_task_tensors(task_ids.device if task_ids is not None else None)
-        return TaskContext(task_ids, table)
+        if self._frozen is not None:
+            return TaskContext(task_ids, self._frozen)
+        if task_ids is None:
+            return TaskContext(None, self.generate_task_tensors())
+        # the generators run for the tasks the batch holds only: every rank still calls the same modules (ZeRO-3),
+        # with fewer rows
+        present, table_ids = torch.unique(task_ids, sorted=True, return_inverse=True)
+        return TaskContext(task_ids, self.generate_task_tensors(task_ids.device, present), table_ids)
 
     def hyper_prompts(self, task_ids, batch_size: int | None = None) -> Prompts:
         """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv], exactly as they enter attention."""

@@ -20,9 +20,9 @@ Extra parameters (T tasks, t task/layer/type embedding, h projector hidden, p pr
 (per stack: block-type embeddings 2t, projector 3t*h + h + h*p + p, LayerNorm 2p, generators
 (p + 1)*(b*d + b + d*b + d + d + d)).
 
-All weights are generated for every task, layer and block type in one call per stack (`generate_task_tensors`),
-so every rank calls the same modules whatever its batch holds; `freeze_task_params()` caches them and inference
-skips the hypernetwork.
+All weights are generated for the batch's tasks, every layer and block type in one call per stack
+(`generate_task_tensors`), so every rank calls the same modules whatever its batch holds (only the rows differ);
+`freeze_task_params()` caches them for every task and inference skips the hypernetwork.
 """
 from __future__ import annotations
 
@@ -86,10 +86,12 @@ class HyperFormerT5(MultiTaskT5):
                                         cfg.hyperformer_hidden_dim, cfg.hyperformer_projected_dim)
             for side in SIDES})
 
-    def generate_task_tensors(self, device=None) -> dict[Site, tuple[torch.Tensor, ...]]:
-        """{(side, layer, kind): (D, c, U, u, gamma, beta)}, each [T, ...], for every task, layer and kind."""
+    def generate_task_tensors(self, device=None, tasks=None) -> dict[Site, tuple[torch.Tensor, ...]]:
+        """{(side, layer, kind): (D, c, U, u, gamma, beta)}, each [T, ...], for `tasks` (None: every task), every
+        layer and kind."""
         device = device if device is not None else next(self.t5.parameters()).device
-        tasks = self.task_embeddings(torch.arange(len(self.tasks), device=device))
+        tasks = self.task_embeddings(tasks.to(device) if tasks is not None else
+                                     torch.arange(len(self.tasks), device=device))
         table = {}
         for side, controller in self.controllers.items():
             weights = controller(tasks)  # each [T, L, 2, ...]

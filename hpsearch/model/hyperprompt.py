@@ -17,10 +17,10 @@ Extra parameters (T tasks, M prompted blocks, l = summed prompt length of the pr
     global:  d*l*T + (2*t + 2*beta) * o + T*t' + M*t' + (2t' + beta)*e + (e + beta)*t,
              o = b*(d + d_i) + beta*(b + d_i)   (one generated local net: D, U and their biases)
 
-Prompts are computed for *all* tasks on every call (`generate_task_tensors`), then indexed by the batch's task
-ids: every data-parallel rank then calls the same modules in the same order (ZeRO-3 gathers parameters
-collectively per module call), and a batch may mix tasks. Nothing here reads a parameter outside its own
-module's forward.
+Prompts are computed on every call for the tasks the batch holds (`generate_task_tensors`; all tasks once when
+frozen for inference), then indexed by the batch's task ids: every data-parallel rank calls the same modules in
+the same order, only with other rows (ZeRO-3 gathers parameters collectively per module call), and a batch may
+mix tasks. Nothing here reads a parameter outside its own module's forward.
 """
 from __future__ import annotations
 
@@ -47,14 +47,15 @@ class LocalHypernets(nn.Module):
         for w in (self.down, self.up):  # nn.Linear's default range
             nn.init.uniform_(w, -w.shape[-2] ** -0.5, w.shape[-2] ** -0.5)
 
-    def forward(self, prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """prompts [T, l, d] -> (keys, values), each [blocks, T, l, d_inner]."""
-        h = torch.matmul(prompts, self.down)                   # [2, blocks, T, l, b] (copies broadcast to T)
+    def forward(self, prompts: torch.Tensor, tasks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prompts [T, l, d] of `tasks` (their indices) -> (keys, values), each [blocks, T, l, d_inner]."""
+        pick = (lambda w: w) if self.down.shape[2] == 1 else (lambda w: w.index_select(2, tasks))  # Sep: theirs
+        h = torch.matmul(prompts, pick(self.down))             # [2, blocks, T, l, b] (one copy broadcasts to T)
         if self.down_bias is not None:
-            h = h + self.down_bias
-        y = torch.matmul(F.relu(h), self.up)                   # [2, blocks, T, l, d_inner]
+            h = h + pick(self.down_bias)
+        y = torch.matmul(F.relu(h), pick(self.up))             # [2, blocks, T, l, d_inner]
         if self.up_bias is not None:
-            y = y + self.up_bias
+            y = y + pick(self.up_bias)
         return y[0], y[1]
 
 
@@ -88,13 +89,15 @@ class GlobalHypernets(nn.Module):
         y = torch.matmul(F.relu(h), parts[1].view(n, T, b, di))                   # [n, T, l, d_i]
         return y + parts[3].unsqueeze(2) if self.bias else y
 
-    def forward(self, side_prompts: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """side_prompts: (global prompts [T, l, d], number of prompted blocks they feed) per prompted side, in
-        layer-embedding order; returns (keys, values) [T, l, d_inner] per prompted block, in that order."""
-        num_tasks = self.task_embeddings.num_embeddings
+    def forward(self, side_prompts: list[tuple[torch.Tensor, int]], task_ids: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """side_prompts: (global prompts [T, l, d] of the tasks `task_ids`, number of prompted blocks they feed) per
+        prompted side, in layer-embedding order; returns (keys, values) [T, l, d_inner] per prompted block, in that
+        order."""
+        num_tasks = task_ids.numel()
         counts = [n for _, n in side_prompts]
         num_layers, device = sum(counts), side_prompts[0][0].device
-        tasks = self.task_embeddings(torch.arange(num_tasks, device=device))          # [T, t']
+        tasks = self.task_embeddings(task_ids)                                         # [T, t']
         layers = self.layer_embeddings(torch.arange(num_layers, device=device))       # [M, t']
         pairs = torch.cat([tasks[None].expand(num_layers, -1, -1),
                            layers[:, None].expand(-1, num_tasks, -1)], dim=-1)      # [M, T, 2t']
@@ -131,20 +134,21 @@ class HyperPromptT5(MultiTaskT5):
                 side: LocalHypernets(sum(s == side for s, _ in self.layer_keys), copies, d, cfg.bottleneck, d_inner,
                                      cfg.hypernet_bias) for side in cfg.prompted_sides()})
 
-    def generate_task_tensors(self, device=None) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
-        """Run the generators for every task: {(side, layer): (keys, values)}, each [T, heads, l, d_kv]."""
-        n_tasks = len(self.tasks)
+    def generate_task_tensors(self, device=None, tasks=None) -> dict[tuple[str, int], tuple[torch.Tensor, ...]]:
+        """Run the generators for `tasks` (None: every task): {(side, layer): (keys, values)}, each
+        [T, heads, l, d_kv]."""
         device = device if device is not None else next(self.t5.parameters()).device
-        ids = torch.arange(n_tasks, device=device)
+        ids = tasks.to(device) if tasks is not None else torch.arange(len(self.tasks), device=device)
+        n_tasks = ids.numel()
         side_prompts = {side: emb(ids).view(n_tasks, self.cfg.side_prompt_length(side), self.d_model)
                         for side, emb in self.global_prompts.items()}
         if self.cfg.variant == "global":  # layer_keys: every block of one side, then of the next
             pairs = self.global_hypernets([(p, sum(s == side for s, _ in self.layer_keys))
-                                           for side, p in side_prompts.items()])
+                                           for side, p in side_prompts.items()], ids)
         else:
             pairs = []
             for side, p in side_prompts.items():
-                keys, values = self.local_hypernets[side](p)
+                keys, values = self.local_hypernets[side](p, ids)
                 pairs += zip(keys.unbind(0), values.unbind(0))
         return {key: tuple(self._heads(x) for x in pair) for key, pair in zip(self.layer_keys, pairs)}
 

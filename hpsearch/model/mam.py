@@ -13,8 +13,8 @@ paper's code ("lora" init): D kaiming-uniform (a = sqrt 5), U and the biases zer
 Extra parameters (the prefix's, with l = mam_prefix_length, plus T * M adapters, M = L_enc + L_dec):
     T*l*d + (d + 1)*h + (h + 1)*2*M*d_i + T*M*(2*d*b + b + d)
 
-ZeRO-3: the prefix generator runs for all tasks on every call (prefix.py); each feed-forward's adapter is one module
-holding all tasks' weights, called on every forward, indexing its parameters inside its own forward.
+ZeRO-3: the prefix generator runs on every call, for the batch's tasks (prefix.py); each feed-forward's adapter
+is one module holding all tasks' weights, called on every forward, indexing its parameters inside its own forward.
 """
 from __future__ import annotations
 

@@ -87,12 +87,14 @@ class PHAT5(MultiTaskT5):
         self.down_weight, self.down_bias = normal_linear(p, b * d), normal_linear(p, b)
         self.up_weight, self.up_bias = normal_linear(p, d * b), normal_linear(p, d)
 
-    def generate_task_tensors(self, device=None) -> dict:
-        """{(side, layer): (D [T, b, d], c [T, b], U [T, d, b], u [T, d])} for every task and block.
+    def generate_task_tensors(self, device=None, tasks=None) -> dict:
+        """{(side, layer): (D [T, b, d], c [T, b], U [T, d, b], u [T, d])} for `tasks` (None: every task) and
+        every block.
 
         The hypernetwork runs once on all (task, block) pairs; the heads then run per block on that block's
         [T, p] slice (slicing the small embeddings, not the big generated weights, keeps backward cheap)."""
-        prototypes, blocks = self.all_prototypes(device), self.block_embeddings(self._arange(len(self.blocks), device))
+        ids = self._arange(len(self.tasks), device) if tasks is None else tasks
+        prototypes, blocks = self.prototypes(ids), self.block_embeddings(self._arange(len(self.blocks), device))
         (T, p), M = prototypes.shape, blocks.shape[0]
         emb = self.hypernet(torch.cat([prototypes[:, None].expand(T, M, p), blocks[None].expand(T, M, p)], -1))
         d, b = self.t5.config.d_model, self.cfg.bottleneck

@@ -18,8 +18,9 @@ Init as Li & Liang's code: E ~ N(0, 1), the MLP nn.Linear's default.
 Extra parameters (T tasks, l prefix length, d model width, h MLP hidden, M self-attentions, d_i = heads * d_kv):
     T*l*d + (d + 1)*h + (h + 1)*2*M*d_i
 
-The embedding and the MLP run for all tasks on every call (`generate_task_tensors`), whatever the batch holds:
-every ZeRO-3 rank calls the same modules, and nothing reads a parameter outside its module's forward.
+The embedding and the MLP run on every call for the tasks the batch holds (`generate_task_tensors`; all tasks
+once when frozen for inference): every ZeRO-3 rank calls the same modules, with other rows, and nothing reads a
+parameter outside its module's forward.
 """
 from __future__ import annotations
 
@@ -51,11 +52,12 @@ class PrefixT5(MultiTaskT5):
         """l, the prefix length per task and layer."""
         return cfg.prompt_length
 
-    def generate_task_tensors(self, device=None) -> dict:
-        """{(side, layer): (keys, values)}, each [T, heads, l, d_kv], for every task."""
+    def generate_task_tensors(self, device=None, tasks=None) -> dict:
+        """{(side, layer): (keys, values)}, each [T, heads, l, d_kv], for `tasks` (None: every task)."""
         device = device if device is not None else next(self.t5.parameters()).device
-        n_tasks, l = len(self.tasks), self.prefix_length
-        rows = self.prefix_embeddings(torch.arange(n_tasks * l, device=device))          # [T*l, d]
+        ids = tasks.to(device) if tasks is not None else torch.arange(len(self.tasks), device=device)
+        n_tasks, l = ids.numel(), self.prefix_length
+        rows = self.prefix_embeddings((ids[:, None] * l + torch.arange(l, device=device)).flatten())  # [T*l, d]
         out = self.prefix_mlp(rows).view(n_tasks, l, len(self.layer_keys), 2, self.n_heads, self.d_kv)
         # unbind, not a slice per layer: a slice's backward would allocate a zeroed gradient of all of `out`
         per_layer = out.permute(2, 3, 0, 4, 1, 5).unbind(0)                               # M x [2, T, heads, l, d_kv]
