@@ -79,6 +79,15 @@ class TaskContext:
         return self._rows[(key, batch)]
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; a CPU tensor goes to a GPU from pinned memory, without waiting."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def per_row(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """`table[ids]` ([T, ...] -> [batch, ...]) by `index_select`, whose backward (index_add) is several times faster
     on CPU than advanced indexing's (an accumulating index_put: 1.0 vs 0.12 ms for a [8, 32, 512] table, 32 rows)."""
@@ -184,21 +193,25 @@ class MultiTaskT5(nn.Module):
 
     # ---- per-call task context ------------------------------------------------------------------------------
     def task_context(self, task_ids, batch_size: int | None = None) -> TaskContext:
-        if task_ids is not None:
-            task_ids = torch.as_tensor(task_ids).long()
-            if task_ids.dim() != 1 or (batch_size is not None and task_ids.numel() != batch_size):
-                raise ValueError(f"task_ids must be a LongTensor [batch] with one id per row ({batch_size}); "
-                                 f"got shape {tuple(task_ids.shape)}")
-            if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
-                raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
-        if self._frozen is not None:
-            return TaskContext(task_ids, self._frozen)
+        """The call's TaskContext. `task_ids` may be on the CPU while the model is on a GPU (the training loop
+        keeps them there): then checking them and finding the batch's tasks need no device synchronisation, and
+        the ids go to the device once, asynchronously from pinned memory."""
         if task_ids is None:
-            return TaskContext(None, self.generate_task_tensors())
+            return TaskContext(None, self._frozen if self._frozen is not None else self.generate_task_tensors())
+        task_ids = torch.as_tensor(task_ids).long()
+        if task_ids.dim() != 1 or (batch_size is not None and task_ids.numel() != batch_size):
+            raise ValueError(f"task_ids must be a LongTensor [batch] with one id per row ({batch_size}); "
+                             f"got shape {tuple(task_ids.shape)}")
+        if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
+            raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
+        device = next(self.t5.parameters()).device
+        if self._frozen is not None:
+            return TaskContext(_to(task_ids, device), self._frozen)
         # the generators run for the tasks the batch holds only: every rank still calls the same modules (ZeRO-3),
         # with fewer rows
         present, table_ids = torch.unique(task_ids, sorted=True, return_inverse=True)
-        return TaskContext(task_ids, self.generate_task_tensors(task_ids.device, present), table_ids)
+        return TaskContext(_to(task_ids, device), self.generate_task_tensors(device, _to(present, device)),
+                           _to(table_ids, device))
 
     def hyper_prompts(self, task_ids, batch_size: int | None = None) -> Prompts:
         """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv], exactly as they enter attention."""

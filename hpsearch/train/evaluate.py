@@ -45,7 +45,7 @@ class Evaluator:
                 picks = [(task_id, i) for i in idx] or [(task_id, 0)]  # a dummy row keeps ranks in lockstep
                 batch = self.tokens.batch(picks, split)
                 out = model.generate(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
-                                     task_ids=batch["task_ids"].to(self.device),
+                                     task_ids=batch["task_ids"],  # the model moves them (checked on the CPU)
                                      max_new_tokens=self.cfg.train.max_new_tokens, do_sample=False, num_beams=1,
                                      synced_gpus=self.world > 1)
                 preds.update(zip(idx, decode(self.tok, out)))

@@ -156,7 +156,8 @@ def _train(loop_config: dict, session) -> dict:
     t_start, loss_n, log_n, t_last = time.perf_counter(), 0, 0, time.perf_counter()
     window = Window(device)
     batches = Prefetch(objective.batch, sampler.state_dict, device)  # the next batch, made meanwhile
-    copy = lambda v: v.to(device, non_blocking=True)
+    # task ids stay on the CPU: the model checks them and finds the batch's tasks there (no device synchronisation)
+    copy = lambda k, v: v if k == "task_ids" else v.to(device, non_blocking=True)
     lr_used = cfg.train.lr
     steps_at_start = step
     final: dict = {}
@@ -164,7 +165,7 @@ def _train(loop_config: dict, session) -> dict:
         while step < cfg.train.max_steps:
             engine.train()
             for _ in range(cfg.train.grad_accum):
-                batch = {k: copy(v) for k, v in batches.next().items()}
+                batch = {k: copy(k, v) for k, v in batches.next().items()}
                 out = engine(**batch)
                 loss = out.loss
                 if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
