@@ -27,8 +27,8 @@ Extra parameters (T tasks, M = L_enc + L_dec blocks):
     T*p + M*p + (d*r + r + r*p + p) + (2*p*h + h + h*p + p) + 2*p + (p + 1)*(2*d*b + b + d)
 (prototypes, block embeddings, retriever, hypernetwork, its LayerNorm, the four heads).
 
-ZeRO-3: the hypernetwork runs for every task and block on every call, and the retriever on every forward with
-labels (every training step on every rank), whatever tasks the batch holds.
+ZeRO-3: the hypernetwork runs on every call for every block and the batch's tasks (only the rows differ between
+ranks), and the retriever on every forward with labels (every training step on every rank).
 """
 from __future__ import annotations
 
@@ -91,8 +91,9 @@ class PHAT5(MultiTaskT5):
         """{(side, layer): (D [T, b, d], c [T, b], U [T, d, b], u [T, d])} for `tasks` (None: every task) and
         every block.
 
-        The hypernetwork runs once on all (task, block) pairs; the heads then run per block on that block's
-        [T, p] slice (slicing the small embeddings, not the big generated weights, keeps backward cheap)."""
+        The hypernetwork runs once on all (task, block) pairs of those tasks; the heads then run per block on that
+        block's [T, p] slice (slicing the small embeddings, not the big generated weights, keeps backward
+        cheap)."""
         ids = self._arange(len(self.tasks), device) if tasks is None else tasks
         prototypes, blocks = self.prototypes(ids), self.block_embeddings(self._arange(len(self.blocks), device))
         (T, p), M = prototypes.shape, blocks.shape[0]

@@ -7,7 +7,9 @@ by name (`loop_config["objective"] = "module:Class"`), so pretraining runs the s
     objective = Objective(cfg, rank, world, options, build=builder)   # .model, .sampler: the model comes from
                                                           # build(make, skeleton) (build.py: whole, or ZeRO-3's)
     objective.start(engine, device)                       # after DeepSpeed wraps the model
-    objective.batch()                                     # this rank's next training batch (CPU tensors)
+    objective.batch()                                     # this rank's next training batch (CPU tensors; the
+                                                          # loop moves all but `task_ids` to the device: the
+                                                          # model takes them on the CPU, see MultiTaskT5)
     objective.evaluate()                                  # validation metrics with "score" (higher is better)
     objective.finish(engine, best)                        # export the (best) weights, score the test split
 """
@@ -19,7 +21,12 @@ from pathlib import Path
 import torch
 
 from hpsearch.config import dump_yaml
+from hpsearch.model import build_from_config, build_skeleton, save_export, save_task_params
 from hpsearch.train.build import build_whole
+
+# The model library is imported here, with the loop, not first inside a run: imported for the first time from
+# within a training call, it left that run's DeepSpeed engine alive after the run returned, past a full
+# collection (tests/test_train.py, RELEASED; the holder is not a Python object gc can see)
 
 
 def load_objective(name: str | None):
@@ -47,7 +54,6 @@ class FineTuning:
 
     def __init__(self, cfg, rank: int, world: int, options: dict | None = None, build=build_whole):
         from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
-        from hpsearch.model import build_from_config, build_skeleton
 
         self.cfg, self.rank, self.world = cfg, rank, world
         self.suite = suite = load_suite(cfg.data)
@@ -84,7 +90,6 @@ class FineTuning:
 
     def finish(self, engine, best: dict) -> dict:
         """Export the loaded weights and score them on the test split."""
-        from hpsearch.model import save_export, save_task_params
 
         out_dir = Path(self.cfg.train.output_dir)
 
