@@ -121,7 +121,9 @@ def test_study_group_tiny_shape():
     (f,) = figures
     assert f.parts["trials"] == [1, 2] and f.parts["steps"] == study.STEPS == 8
     (w1, w2), (s1, s2) = f.parts["wall_s"], f.parts["training_s"]
-    assert 0 < w1 < w2 and 0 < s1 < s2  # the studies ran, and each trial's steps were counted
+    # the studies ran, and each trial's steps were counted (the walls' order is not asserted: at t5-tiny one more
+    # in-actor trial costs about a second, within the noise of a study's start; CI saw 28.20 s vs 28.08 s)
+    assert w1 > 0 and w2 > 0 and 0 < s1 < s2
     assert f.value == pytest.approx((w2 - w1) - (s2 - s1), rel=1e-9)
     assert f.goal == 6.0
 
