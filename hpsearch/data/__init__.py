@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-import importlib
+from hpsearch.lazy import lazy_names
 
 # where each public name lives: imported on first use (PEP 562), so reading and validating a config does not import
 # the tokenizer, scikit-learn or torch
@@ -27,13 +27,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_WHERE})
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
