@@ -254,9 +254,8 @@ def _run(study: Study, parent, tuner) -> int:
     left = unfinished(study)
     if left:
         parent.finish("KILLED")
-        resume = shlex.join(["python", "-m", "hpsearch.tune", "--name", study.name, "--storage-path",
-                             str(study.storage_path), "--resume"])
-        print(f"[hpsearch.tune] interrupted with {left} trial(s) to go; continue with: {resume}", file=sys.stderr)
+        print(f"[hpsearch.tune] interrupted with {left} trial(s) to go; continue with: {_resume_command(study)}",
+              file=sys.stderr)
         return INTERRUPTED
     return _report(study, parent, result_grid, elapsed)
 
@@ -293,11 +292,16 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     return 1 if all_failed else 0
 
 
+def _resume_command(study: Study) -> str:
+    return shlex.join(["python", "-m", "hpsearch.tune", "--name", study.name, "--storage-path",
+                       str(study.storage_path), "--resume"])
+
+
 def _no_space(study: Study, resume: bool) -> UserError:
     """The one line for a full disk. `resume`: trials are left that `--resume` would run; otherwise every trial
     ended (failed), and a resume would not retry them."""
-    then = (f"continue with: python -m hpsearch.tune --name {study.name} --storage-path {study.storage_path} --resume"
-            if resume else "run the study again (--resume does not retry failed trials)")
+    then = (f"continue with: {_resume_command(study)}" if resume
+            else "run the study again (--resume does not retry failed trials)")
     return UserError(f"no space left on device under {study.storage_path}; free space there, then {then}")
 
 
