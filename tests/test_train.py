@@ -332,6 +332,41 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+# `python -m hpsearch.train` whose export finds the disk full after half a file (the write the real one would fail)
+EXPORT_DISK_FULL = """
+import errno, sys
+import hpsearch.train.objective as objective
+from hpsearch.cli import run_main
+from hpsearch.train.__main__ import main
+
+def full(module, path, state):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.safetensors").write_bytes(b"partial")
+    raise OSError(errno.ENOSPC, "No space left on device", str(path / "model.safetensors"))
+
+objective.save_export = full
+run_main(main, sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_export_is_one_line_naming_the_file(tmp_path):
+    """Checkpoints fit but the export does not: one line naming the file and how to go on, exit 2, no traceback."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    args = ["--local", *FAST, "train.max_steps=8", "train.eval_every=4", f"train.output_dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-c", EXPORT_DISK_FULL, *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"error: no space left on device writing {tmp_path / 'model' / 'model.safetensors'}; free space "
+                    "there, then resume (python -m hpsearch.tune --resume, or --resume-from)"), last
+    # space freed: the run goes on from its last checkpoint (the last step's holds a result only, so step 4's) and
+    # its export replaces the partial file
+    resumed = final_json(run_train(*args, "--resume-from", str(tmp_path / "checkpoints" / "step_4")))
+    assert resumed["step"] == 8 and resumed["best_step"] in (4, 8)
+    assert (tmp_path / "model" / "model.safetensors").stat().st_size > 1000
+
 # ---- Ray Train: 2 workers, ZeRO-3 -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
