@@ -28,7 +28,7 @@ DEFAULTS = {
     "model": {"backbone": "t5-mini", "method": "mtl", "dropout": 0.0},
     "data": {"source": "../shared/data/glue", "task_prefix": True},
     "train": {"num_workers": 1, "cpus_per_worker": 2.0, "zero_stage": 0, "micro_batch_size": 32,
-              "max_steps": 2500, "lr": 2.0e-3, "warmup_steps": 250, "weight_decay": 0.0, "eval_every": 250,
+              "max_steps": 2500, "lr": 5.0e-4, "warmup_steps": 250, "weight_decay": 0.0, "eval_every": 250,
               "log_every": 50, "eval_batch_size": 64, "output_dir": "runs/pretrain"},
 }
 
