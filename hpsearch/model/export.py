@@ -7,10 +7,12 @@ only the parameters the method adds (`task_params.safetensors`) plus the same JS
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MARKER = "hpsearch_model.json"
@@ -37,11 +39,22 @@ def _tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file`; a full disk comes out as the OSError (ENOSPC, naming the file) other writers raise, where
+    safetensors says it in a `SafetensorError` ("... No space left on device (os error 28)") without the file."""
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as e:
+        if "No space left on device" in str(e) or "os error 28" in str(e):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
+        raise
+
+
 def save_export(model, directory, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a full export; `state` overrides `model.state_dict()` (e.g. gathered from ZeRO-3 partitions)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(_tensors(state if state is not None else model.state_dict()), str(directory / "model.safetensors"))
+    _save(_tensors(state if state is not None else model.state_dict()), directory / "model.safetensors")
     (directory / MARKER).write_text(json.dumps(_meta(model), indent=2, default=str))
     return directory
 
@@ -51,8 +64,7 @@ def save_task_params(model, directory, state: dict[str, torch.Tensor] | None = N
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else model.state_dict()
-    save_file(_tensors({k: v for k, v in state.items() if not k.startswith("t5.")}),
-              str(directory / "task_params.safetensors"))
+    _save(_tensors({k: v for k, v in state.items() if not k.startswith("t5.")}), directory / "task_params.safetensors")
     (directory / MARKER).write_text(json.dumps(_meta(model), indent=2, default=str))
     return directory
 

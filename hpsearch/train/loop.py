@@ -74,7 +74,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
                                          node_id=f"node_{session.node_rank}" if session.nodes > 1 else None)
     try:
         return _train(loop_config, session)
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError (a Hugging Face save_pretrained)
         if checkpoints.disk_full(e):  # checkpoints, exports or Ray's upload of them: say so, do not retry
             where = getattr(e, "filename", None) or load_config(base=loop_config["run"]).train.output_dir
             raise checkpoints.DiskFull(f"no space left on device writing {where}; free space there, then resume "
