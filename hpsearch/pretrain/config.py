@@ -4,7 +4,7 @@
 
 Defaults (`DEFAULTS`): the `t5-mini` shape, plain T5 (model.method=mtl), one Ray Train worker with ZeRO stage 0
 (a 13 M-parameter model fits: sharding it would only add traffic), the GLUE training inputs of ../shared/data/glue
-as the corpus, and a budget that takes about 55 minutes on 2 CPU cores (measured: 0.8 step/s alone).
+as the corpus, and a budget that takes about 60 minutes on 2 CPU cores (measured: 0.7 step/s alone).
 """
 from __future__ import annotations
 
