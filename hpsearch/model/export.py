@@ -15,6 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from hpsearch.errors import disk_full
+
 MARKER = "hpsearch_model.json"
 
 
@@ -45,7 +47,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file(tensors, str(path))
     except SafetensorError as e:
-        if "No space left on device" in str(e) or "os error 28" in str(e):
+        if disk_full(e):
             raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
         raise
 

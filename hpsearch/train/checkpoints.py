@@ -29,14 +29,6 @@ class DiskFull(UserError):
     """A write found no space left: one line naming where; not worth retrying until space is freed."""
 
 
-def disk_full(e: BaseException) -> bool:
-    """An error that means the device is full: ENOSPC, or torch.save's message when a write came up short."""
-    import errno
-    text = str(e)
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in text \
-        or "unexpected pos" in text
-
-
 def _deepspeed_types() -> list:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hpsearch.config import load_config
-from hpsearch.errors import UserError
+from hpsearch.errors import UserError, disk_full
 from hpsearch.train import checkpoints, startup
 from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, lr_lambda
@@ -75,7 +75,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
     try:
         return _train(loop_config, session)
     except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError (a Hugging Face save_pretrained)
-        if checkpoints.disk_full(e):  # checkpoints, exports or Ray's upload of them: say so, do not retry
+        if disk_full(e):  # checkpoints, exports or Ray's upload of them: say so, do not retry
             where = getattr(e, "filename", None) or load_config(base=loop_config["run"]).train.output_dir
             raise checkpoints.DiskFull(f"no space left on device writing {where}; free space there, then resume "
                                        "(python -m hpsearch.tune --resume, or --resume-from)") from None

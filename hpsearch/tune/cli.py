@@ -235,7 +235,7 @@ def _run_and_end(study: Study, parent, tuner) -> int:
         parent.finish("FAILED")
         raise
     except Exception as e:  # e.g. Tune's own state, a trial's error file or the report could not be written
-        from hpsearch.train.checkpoints import disk_full
+        from hpsearch.errors import disk_full
         parent.finish("FAILED")
         if disk_full(e) or (not study.storage.remote and shutil.disk_usage(study.dir.parent).free < 2**20):
             raise _no_space(study, resume=True) from None
