@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hpsearch.errors import DataError
-from hpsearch.pretrain.corpus import read_folder, suite_texts
+from hpsearch.pretrain.config import CorpusConfig
+from hpsearch.pretrain.corpus import describe_corpus, read_folder, suite_texts
 from hpsearch.pretrain.spans import corrupt, noise_mask, span_counts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +163,11 @@ def test_the_default_corpus_is_the_training_inputs_only():
         held_out = {e.source for t in suite.tasks for s in ("validation", "test") for e in suite.split(t, s)}
         assert len(texts) > 6_000 and len(held_out) > 700 and not texts & held_out
         assert not texts & {e.target for t in suite.tasks for e in suite.split(t, "train")}
+        # the backbone's pretrain.json names the tasks the default list resolves to, not the synthetic names
+        every = DataConfig(source=str(GLUE))
+        assert describe_corpus(CorpusConfig(), every) == (f"training inputs of {GLUE} (cola, sst2, mrpc, stsb, "
+                                                          "mnli, qnli, rte, boolq, cb, copa, wic, wsc, scitail)")
+        assert describe_corpus(CorpusConfig(path="texts/"), every) == "texts/"
 
 
 # ---- runs ----------------------------------------------------------------------------------------------------------

@@ -85,6 +85,15 @@ def read_corpus(corpus, data) -> list[str]:
     return suite_texts(load_suite(data))
 
 
+def describe_corpus(corpus, data) -> str:
+    """What `read_corpus` reads, in words for the backbone's pretrain.json: the folder, or the suite's source and
+    the tasks it resolves to (the default task list stands for every task folder the source has)."""
+    if corpus.path:
+        return str(corpus.path)
+    from hpsearch.data.sources import resolve_tasks
+    return f"training inputs of {data.source} ({', '.join(resolve_tasks(data))})"
+
+
 class Chunks:
     """The corpus as token pieces of `length` ids (eos not included): `train` and `heldout` lists."""
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hpsearch.pretrain.config import CorpusConfig
-from hpsearch.pretrain.corpus import Chunks, read_corpus
+from hpsearch.pretrain.corpus import Chunks, describe_corpus, read_corpus
 from hpsearch.pretrain.spans import corrupt, noise_mask
 from hpsearch.train.build import build_whole
 
@@ -131,8 +131,7 @@ class SpanCorruption:
             t5.save_pretrained(partial)
             self.tokenizer.save_pretrained(partial)
             (partial / "pretrain.json").write_text(json.dumps({
-                "corpus": self.corpus.path or f"training inputs of {self.cfg.data.source} "
-                                               f"({', '.join(self.cfg.data.tasks)})",
+                "corpus": describe_corpus(self.corpus, self.cfg.data),
                 "corpus_tokens": self.chunks.tokens, "step": best["step"], "heldout_accuracy": best["score"],
                 "noise_density": self.corpus.noise_density, "mean_span_length": self.corpus.mean_span_length,
                 "data_seed": self.cfg.data.data_seed}, indent=1) + "\n")
