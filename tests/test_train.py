@@ -149,6 +149,32 @@ def test_bad_override_is_one_line_error():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "nosuchtask" in proc.stderr
 
 
+# the driver of a Ray run, stopped where it would start Ray: which heavy modules its checks imported
+DRIVER_CHECKS = """
+import sys
+import hpsearch.train.__main__ as cli
+
+def stop(cfg, resume_from):
+    print(sorted(m for m in ("torch", "transformers", "deepspeed", "ray") if m in sys.modules))
+    raise SystemExit(0)
+
+cli.run_with_ray = stop
+cli.main(sys.argv[1:])
+"""
+
+
+def test_the_driver_checks_a_run_without_importing_torch(tmp_path):
+    """Config, data and backbone checks run before Ray starts and import neither torch nor transformers (the
+    workers' imports, ~4 s here): a mistake is one line at once, and a run reaches Ray sooner."""
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    data = [f"data.source={glue}", "data.tasks=rte,cb"] if glue.is_dir() else []
+    for args in (["model.method=hyperprompt"], ["model.method=lora", "model.backbone=t5-small", *data]):
+        proc = subprocess.run([sys.executable, "-c", DRIVER_CHECKS, *args, f"train.output_dir={tmp_path}"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines()[-1] == "[]", args
+
+
 # ---- DeepSpeed's JIT ops ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():

@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-
-from transformers import T5Config, T5ForConditionalGeneration
+from typing import TYPE_CHECKING
 
 from hpsearch.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers (with torch: ~4 s) is imported where it is used, so checking a config is quick
+    from transformers import T5Config, T5ForConditionalGeneration
 
 _V1 = dict(feed_forward_proj="relu", vocab_size=32128)
 _V11 = dict(feed_forward_proj="gated-gelu", vocab_size=32128, tie_word_embeddings=False)
@@ -43,6 +45,8 @@ def is_named_shape(backbone) -> bool:
 def named_config(name: str, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
     if name not in NAMED_SHAPES:
         raise ConfigError(f"model.backbone: {name!r} is not a named shape; known: {', '.join(NAMED_SHAPES)}")
+    from transformers import T5Config
+
     values = dict(NAMED_SHAPES[name])
     if vocab_size is not None:
         values["vocab_size"] = vocab_size
@@ -73,6 +77,8 @@ def _looks_local(text: str) -> bool:
 
 def backbone_config(backbone, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
     """The T5Config of a backbone, without building weights (hub/local: reads the config file only)."""
+    from transformers import T5Config
+
     if isinstance(backbone, T5Config):
         return backbone
     if is_named_shape(backbone):
@@ -114,6 +120,8 @@ def check_local_backbone(backbone: str) -> None:
 def load_backbone(backbone, vocab_size: int | None = None, dropout: float | None = None
                   ) -> T5ForConditionalGeneration:
     """A T5ForConditionalGeneration: random weights for a named shape or config, else `from_pretrained`."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
     if isinstance(backbone, T5Config) or is_named_shape(backbone):
         return T5ForConditionalGeneration(backbone_config(backbone, vocab_size, dropout))
     config = backbone_config(backbone, dropout=dropout)

@@ -4,17 +4,15 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from hpsearch.cli import Parser, run_main
 from hpsearch.config import absolute_paths, load_config
 from hpsearch.errors import UserError
 from hpsearch.train import __doc__ as DOC
-from hpsearch.train import checkpoints
 from hpsearch.train.launch import TrainingFailed, run_with_ray
-from hpsearch.train.loop import NonFiniteLoss, train_loop
-from hpsearch.train.sessions import LocalSession
 from hpsearch.train.startup import process_start
+
+# torch, the loop and the model library are imported where they are used: the driver of a Ray run only checks the
+# config and the data (a mistake is one line within a second) and starts Ray; the workers import the rest.
 
 
 def main(argv: list[str]) -> int:
@@ -32,10 +30,15 @@ def main(argv: list[str]) -> int:
     from hpsearch.model import check_local_backbone
     check_local_backbone(cfg.model.backbone)
     if args.resume_from:
+        from hpsearch.train import checkpoints
         checkpoints.check_resume_dir(args.resume_from, cfg.train.max_steps)  # before anything starts, unpickling none
-    if args.local and cfg.train.use_gpu and not torch.cuda.is_available():
-        raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
     if args.local:
+        import torch
+
+        from hpsearch.train.loop import NonFiniteLoss, train_loop
+        from hpsearch.train.sessions import LocalSession
+        if cfg.train.use_gpu and not torch.cuda.is_available():
+            raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
         if cfg.train.num_workers != 1:
             print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)
             cfg.train.num_workers = 1
