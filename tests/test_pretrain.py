@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpsearch.errors import ConfigError, DataError
+from hpsearch.errors import DataError
 from hpsearch.pretrain.config import CorpusConfig
 from hpsearch.pretrain.corpus import describe_corpus, read_folder, suite_texts
 from hpsearch.pretrain.spans import corrupt, noise_mask, span_counts
@@ -129,27 +129,6 @@ def test_a_batch_is_its_pieces_corrupted(tmp_path):
 
 
 # ---- the corpus ----------------------------------------------------------------------------------------------------
-def test_the_input_embeddings_start_at_the_configured_scale(tmp_path):
-    """Unit-norm rows (std d_model^-0.5) by default, transformers' T5 init (std 1) for "t5", a number as given;
-    the encoder's, decoder's and tied output embeddings stay one table. Anything else is one line."""
-    import dataclasses
-
-    from hpsearch.pretrain.config import load_pretrain_config
-    from hpsearch.pretrain.objective import SpanCorruption
-
-    for value, std in ((None, 64 ** -0.5), ("t5", 1.0), (0.02, 0.02)):
-        extra = [] if value is None else [f"corpus.embedding_std={value}"]
-        cfg, corpus = load_pretrain_config(None, [*TINY, f"data.cache_dir={tmp_path}", *extra])
-        t5 = SpanCorruption(cfg, 0, 1, {"corpus": dataclasses.asdict(corpus)}).model.t5
-        assert t5.config.d_model == 64 and t5.shared.weight.shape[0] >= 1000
-        assert t5.shared.weight.std().item() == pytest.approx(std, rel=0.05), value
-        assert t5.encoder.embed_tokens.weight is t5.shared.weight is t5.decoder.embed_tokens.weight
-        assert t5.lm_head.weight is t5.shared.weight
-    for bad in ("-1", "0", "big"):
-        with pytest.raises(ConfigError, match="corpus.embedding_std"):
-            load_pretrain_config(None, [*TINY, f"corpus.embedding_std={bad}"])
-
-
 def test_the_corpus_reader_reads_text_and_refuses_validation_and_test_files(tmp_path):
     ok = tmp_path / "ok"
     (ok / "news").mkdir(parents=True)

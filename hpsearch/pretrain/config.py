@@ -42,10 +42,6 @@ class CorpusConfig:
     max_length: int = 128           # tokens of a piece before corruption, eos included
     heldout_chunks: int = 64        # the corpus's last pieces, never trained on: the held-out loss and accuracy
     sentinels: int = 100            # <extra_id_0> ... added to the tokenizer
-    # the input embeddings start at N(0, embedding_std^2): d_model^-0.5 when None (unit-norm rows), or "t5" for
-    # transformers' T5 init (std 1). With AdamW an embedding moves about the same absolute amount whatever its
-    # scale, so at std 1 a 60-minute run left it 89 % its random init (README: pretraining).
-    embedding_std: float | str | None = None
 
     def validate(self) -> None:
         if not 0 < self.noise_density < 1:
@@ -60,10 +56,6 @@ class CorpusConfig:
         if self.sentinels < max(spans, 1):
             raise ConfigError(f"corpus.sentinels: {self.sentinels} < the {spans} spans a piece of "
                               f"{self.max_length} tokens gets; expected at least {spans}")
-        if self.embedding_std is not None and self.embedding_std != "t5" and not (
-                isinstance(self.embedding_std, (int, float)) and self.embedding_std > 0):
-            raise ConfigError(f"corpus.embedding_std: {self.embedding_std!r}; expected a number > 0, t5 "
-                              "(transformers' init) or null (d_model^-0.5)")
         if self.path is not None and not Path(self.path).expanduser().is_dir():
             raise ConfigError(f"corpus.path: {self.path}: no such directory; expected a folder of .txt or .jsonl "
                               "text (or leave it out to read the suite's training inputs)")

@@ -44,16 +44,6 @@ def corpus_tokenizer(texts: list[str], vocab_size: int, corpus: CorpusConfig, ca
     return tokenizer
 
 
-def init_embeddings(t5, embedding_std) -> None:
-    """The input embeddings at N(0, std^2): d_model^-0.5 when None, transformers' own init for "t5". (Runs in
-    `make`, on a whole model: under ZeRO-3 the builder partitions it afterwards.)"""
-    if embedding_std == "t5":
-        return
-    std = t5.config.d_model ** -0.5 if embedding_std is None else float(embedding_std)
-    with torch.no_grad():
-        t5.shared.weight.normal_(0.0, std)
-
-
 class SpanCorruption:
     def __init__(self, cfg, rank: int, world: int, options: dict, build=build_whole):
         from hpsearch.data import MultiTaskSampler
@@ -65,9 +55,7 @@ class SpanCorruption:
 
         def make():
             torch.manual_seed(cfg.train.seed)
-            model = build_from_config(cfg.model, [CORPUS_TASK])  # the same initial weights wherever it runs
-            init_embeddings(model.t5, corpus.embedding_std)
-            return model
+            return build_from_config(cfg.model, [CORPUS_TASK])  # the same initial weights wherever it runs
         self.model = build(make, lambda: build_skeleton(cfg.model, [CORPUS_TASK]))
         self.tokenizer = corpus_tokenizer(texts, self.model.t5.config.vocab_size, corpus, cfg.data.cache_dir)
         self.sentinels = self.tokenizer.convert_tokens_to_ids(sentinel_tokens(corpus.sentinels))
@@ -146,7 +134,6 @@ class SpanCorruption:
                 "corpus": describe_corpus(self.corpus, self.cfg.data),
                 "corpus_tokens": self.chunks.tokens, "step": best["step"], "heldout_accuracy": best["score"],
                 "noise_density": self.corpus.noise_density, "mean_span_length": self.corpus.mean_span_length,
-                "embedding_std": self.corpus.embedding_std,
                 "data_seed": self.cfg.data.data_seed}, indent=1) + "\n")
             shutil.rmtree(target, ignore_errors=True)
             os.replace(partial, target)
