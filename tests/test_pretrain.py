@@ -156,6 +156,8 @@ def test_the_default_corpus_is_the_training_inputs_only():
     suite = load_suite(DataConfig())
     texts = suite_texts(suite)
     assert texts == [e.source for t in suite.tasks for e in suite.split(t, "train")]
+    assert describe_corpus(CorpusConfig(), DataConfig()) == (f"training inputs of synthetic "
+                                                             f"({', '.join(suite.tasks)})")
     if GLUE.is_dir():  # real rows: no validation or test input, no label, reaches the corpus
         # (SST-2's own train and validation files share a few short phrases, so it is not among these)
         suite = load_suite(DataConfig(source=str(GLUE), tasks=["rte", "cb", "mrpc"]))

@@ -43,7 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("--only/--skip: no group left to run")
     if not 2 <= args.memory_world <= 16:
         raise UserError(f"--memory-world: {args.memory_world} is out of range; expected 2 to 16 ranks")
-    from hpsearch.model.backbones import NAMED_SHAPES  # imports transformers: checked last
+    from hpsearch.model.backbones import NAMED_SHAPES
 
     for name in ("shape", "memory_shape"):
         if getattr(args, name) not in NAMED_SHAPES:

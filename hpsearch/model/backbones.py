@@ -5,6 +5,7 @@ Anything else is a local checkpoint directory or a hub id (e.g. `google-t5/t5-ba
 """
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,38 +84,51 @@ def backbone_config(backbone, vocab_size: int | None = None, dropout: float | No
         return backbone
     if is_named_shape(backbone):
         return named_config(backbone, vocab_size, dropout)
+    _check_local(backbone)
+    try:
+        with _quiet_hub():
+            config = T5Config.from_pretrained(backbone)
+    except Exception as e:  # no internet, no such path: a user mistake, one line
+        raise _unloadable(backbone, type(e).__name__) from None
+    if dropout is not None:
+        config.dropout_rate = dropout
+    return config
+
+
+def _unloadable(backbone, why: str) -> ConfigError:
+    return ConfigError(f"model.backbone: cannot load a T5 config from {backbone!r} ({why}); expected a named shape "
+                       f"({', '.join(NAMED_SHAPES)}), a local checkpoint directory or a reachable hub id")
+
+
+def _check_local(backbone) -> None:
+    """A local folder must hold a checkpoint (T5Config.from_pretrained would answer a default config for any
+    folder); a local-looking path that does not exist is a mistake. Hub ids pass (only the network can tell)."""
     folder = Path(str(backbone)).expanduser()
-    if folder.is_dir():  # T5Config.from_pretrained would answer a default config for any folder
+    if folder.is_dir():
         weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
         if not (folder / "config.json").is_file() or not any((folder / w).is_file() for w in weights):
             raise ConfigError(f"model.backbone: {backbone} is not a checkpoint (expected config.json and "
                               "model.safetensors or pytorch_model.bin in it, an hpsearch export with "
                               "hpsearch_model.json, or a named shape)")
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            raise _unloadable(backbone, type(e).__name__) from None
+        if not isinstance(config, dict):
+            raise _unloadable(backbone, "config.json is not a JSON object")
     elif _looks_local(str(backbone)):
         raise ConfigError(f"model.backbone: {backbone}: no such directory; to make a pretrained backbone there, run "
                           "python -m hpsearch.pretrain (it writes <train.output_dir>/backbone, by default "
                           "runs/pretrain/backbone)")
-    try:
-        with _quiet_hub():
-            config = T5Config.from_pretrained(backbone)
-    except Exception as e:  # no internet, no such path: a user mistake, one line
-        raise ConfigError(f"model.backbone: cannot load a T5 config from {backbone!r} "
-                          f"({type(e).__name__}); expected a named shape ({', '.join(NAMED_SHAPES)}), "
-                          "a local checkpoint directory or a reachable hub id") from None
-    if dropout is not None:
-        config.dropout_rate = dropout
-    return config
 
 
 def check_local_backbone(backbone: str) -> None:
     """Before anything starts: a local backbone folder (not a hub id: that needs the network) must be a checkpoint
-    or an hpsearch export; else a one-line ConfigError."""
-    folder = Path(str(backbone)).expanduser()
-    if (folder / "hpsearch_model.json").is_file():
+    or an hpsearch export; else a one-line ConfigError. Reads files only (no transformers, no torch)."""
+    if (Path(str(backbone)).expanduser() / "hpsearch_model.json").is_file():
         return
-    if folder.is_dir() or _looks_local(str(backbone)):
-        backbone_config(backbone)
+    _check_local(backbone)
 
 
 def load_backbone(backbone, vocab_size: int | None = None, dropout: float | None = None

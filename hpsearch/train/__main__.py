@@ -34,11 +34,10 @@ def main(argv: list[str]) -> int:
         checkpoints.check_resume_dir(args.resume_from, cfg.train.max_steps)  # before anything starts, unpickling none
     if args.local:
         import torch
-
-        from hpsearch.train.loop import NonFiniteLoss, train_loop
-        from hpsearch.train.sessions import LocalSession
         if cfg.train.use_gpu and not torch.cuda.is_available():
             raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
+        from hpsearch.train.loop import NonFiniteLoss, train_loop
+        from hpsearch.train.sessions import LocalSession
         if cfg.train.num_workers != 1:
             print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)
             cfg.train.num_workers = 1
