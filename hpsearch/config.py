@@ -38,6 +38,7 @@ class TrainConfig:
     grad_accum: int = 1
     max_steps: int = 300                  # optimizer steps
     lr: float = 1e-3
+    embedding_lr_scale: float = 1.0       # the token-embedding table learns at lr x this (pretraining: 20)
     warmup_steps: int = 30
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -73,6 +74,9 @@ class TrainConfig:
             raise ConfigError("train.offload_params: parameter offload needs train.zero_stage=3")
         if not 0 < self.lr < 1:
             raise ConfigError(f"train.lr: {self.lr!r} is out of range; expected 0 < lr < 1")
+        if not 0 < self.embedding_lr_scale <= 1000:
+            raise ConfigError(f"train.embedding_lr_scale: {self.embedding_lr_scale!r} is out of range; "
+                              "expected 0 < scale <= 1000")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("train.warmup_steps, weight_decay, grad_clip: expected values >= 0")
         if self.cpus_per_worker <= 0:

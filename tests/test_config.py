@@ -31,6 +31,7 @@ def test_yaml_and_overrides_fill_typed_fields(tmp_path):
     ("train:\n  max_steps: many\n", [], r"run.yaml:2: train.max_steps: 'many' is not an integer"),
     ("", ["model.variant=middle"], r"model.variant: 'middle' is not one of share, sep, global"),
     ("", ["train.lr=2"], r"train.lr: 2.0 is out of range"),
+    ("", ["train.embedding_lr_scale=0"], r"train.embedding_lr_scale: 0.0 is out of range; expected 0 < scale"),
     ("", ["train.lr"], r"expected key=value"),
     ("", ["train.precision=bf16"], r"needs GPU workers"),
 ])

@@ -90,6 +90,25 @@ def final_json(proc) -> dict:
 
 
 # ---- DeepSpeed config ---------------------------------------------------------------------------------------------
+def test_optimizer_groups_give_the_embedding_table_its_rate_only_when_asked_and_only_when_it_trains():
+    from hpsearch.model import build_model
+    from hpsearch.train.dsconfig import optimizer_groups
+
+    model = build_model("t5-tiny", "mtl", ["a", "b"])
+    table = model.t5.shared.weight
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    (one,) = optimizer_groups(model, load_config(None, ["train.lr=1e-3"]))
+    assert one["lr"] == 1e-3 and one["params"] == trainable
+    rest, emb = optimizer_groups(model, load_config(None, ["train.lr=1e-3", "train.embedding_lr_scale=20"]))
+    assert emb["params"] == [table] and emb["lr"] == pytest.approx(2e-2) and rest["lr"] == 1e-3
+    assert all(p is not table for p in rest["params"]) and len(rest["params"]) + 1 == len(trainable)
+    # a method that trains only its task parameters: the frozen table is in no group, and no group is empty
+    frozen = build_model("t5-tiny", "adapter", ["a", "b"], bottleneck=4, train_task_params_only=True)
+    assert not frozen.t5.shared.weight.requires_grad
+    (only,) = optimizer_groups(frozen, load_config(None, ["train.embedding_lr_scale=20"]))
+    assert only["params"] == [p for p in frozen.parameters() if p.requires_grad] and only["lr"] == 1e-3
+
+
 def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -566,3 +585,23 @@ def test_startup_line_names_each_phase_in_order_and_reads_back():
         "total_s": 21.0, "trainer set-up": 10.0, "Train controller and worker group": 7.5, "imports": 1.5,
         "step 1 (with resume and tokenization)": 2.0}
     assert startup.parse("no such line") is None
+
+
+@pytest.mark.slow
+def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_path):
+    """`train.embedding_lr_scale`: the recipe's optimizer in a 2-rank DeepSpeed engine at stages 0, 2 and 3. AdamW's
+    first update moves each weight with a gradient by lr exactly (lr x g / |g|): the token-embedding table (tied to
+    the output layer) by lr x scale, every other weight by lr."""
+    from test_zero3 import run_workers
+
+    run_workers("embedding_lr.py", tmp_path, timeout=600)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sorted(report) == ["0/1", "0/20", "2/1", "2/20", "3/1", "3/20"]
+        for key, r in report.items():
+            scale = float(key.split("/")[1])
+            assert r["tied"]
+            assert r["rates"] == pytest.approx([1e-3] if scale == 1 else [1e-3, 20e-3]), key
+            assert r["table"] == pytest.approx(1e-3 * scale, rel=1e-3), key
+            assert max(r["others"]) == pytest.approx(1e-3, rel=1e-3), key
+            assert min(r["others"]) > 0, key  # every weight trained

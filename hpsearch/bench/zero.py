@@ -34,11 +34,10 @@ def _init_process_group() -> bool:
 
 
 def plain_step(model, cfg, batch):
-    from hpsearch.train import lr_lambda
+    from hpsearch.train import optimizer_and_schedule
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    optimizer, scheduler = optimizer_and_schedule(model, cfg)
 
     def step():
         model(**batch).loss.backward()
@@ -52,11 +51,9 @@ def plain_step(model, cfg, batch):
 def engine_step(model, cfg, batch):
     import deepspeed
 
-    from hpsearch.train import deepspeed_config, lr_lambda
+    from hpsearch.train import deepspeed_config, optimizer_and_schedule
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    optimizer, scheduler = optimizer_and_schedule(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, 1, hidden=model.config.d_model))
 

@@ -143,6 +143,11 @@ class MultiTaskT5(nn.Module):
     def config(self):
         return self.t5.config
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The backbone's token-embedding table (T5 shares it between encoder and decoder; tied, it is the output
+        layer too): the training recipe can give it its own learning rate (`train.embedding_lr_scale`)."""
+        return self.t5.get_input_embeddings()
+
     # ---- the hooks a method fills in ----------------------------------------------------------------------
     def generate_task_tensors(self, device=None, tasks: torch.Tensor | None = None) -> dict:
         """Per-task tensors for `tasks` (sorted task indices; None: all), {key: tensor | tuple, each

@@ -1,4 +1,4 @@
-"""The DeepSpeed config and the learning-rate schedule generated from a run config."""
+"""The DeepSpeed config, the optimizer's parameter groups and the learning-rate schedule from a run config."""
 from __future__ import annotations
 
 from hpsearch.config import RunConfig
@@ -71,3 +71,27 @@ def lr_lambda(cfg: RunConfig):
         return max(0.0, (total - step) / (total - warm + 1))
     return factor
 
+
+
+def optimizer_groups(model, cfg: RunConfig) -> list[dict]:
+    """The trainable parameters as AdamW's groups: everything at train.lr, and the token-embedding table at
+    train.lr x train.embedding_lr_scale when that is not 1 (and the table trains). The first group is always the
+    one at train.lr, which is the rate the loop logs; the schedule (`lr_lambda`) scales every group alike.
+
+    Why a separate rate: T5's embeddings start at std 1 while AdamW moves every weight by about the same absolute
+    amount per step, so at the rate that suits the layers the table barely moves (README, pretraining)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    scale = cfg.train.embedding_lr_scale
+    table = model.get_input_embeddings().weight if scale != 1 else None
+    if table is None or not table.requires_grad:
+        return [{"params": params, "lr": cfg.train.lr}]
+    rest = [p for p in params if p is not table]
+    return [{"params": rest, "lr": cfg.train.lr}, {"params": [table], "lr": cfg.train.lr * scale}]
+
+
+def optimizer_and_schedule(model, cfg: RunConfig):
+    """AdamW over `optimizer_groups` and its schedule (`lr_lambda`), which the DeepSpeed engine steps."""
+    import torch
+
+    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

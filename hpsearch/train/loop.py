@@ -15,7 +15,7 @@ from hpsearch.config import load_config
 from hpsearch.errors import UserError, disk_full
 from hpsearch.train import checkpoints, startup
 from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
-from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, lr_lambda
+from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
 from hpsearch.train.ops import load_ops, ops_for
@@ -116,9 +116,7 @@ def _train(loop_config: dict, session) -> dict:
     marks["model"] = time.time()
     torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout: a stream per rank (a resume restores it)
     extra_params = model.extra_parameters()["total"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    optimizer, scheduler = optimizer_and_schedule(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, world, stage, hidden))  # the engine steps both
     marks["engine"] = time.time()
