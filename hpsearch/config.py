@@ -21,6 +21,7 @@ from hpsearch.errors import ConfigError
 from hpsearch.model.config import ModelConfig
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "adafactor")
 
 
 @dataclass
@@ -37,6 +38,7 @@ class TrainConfig:
     micro_batch_size: int = 16            # per worker
     grad_accum: int = 1
     max_steps: int = 300                  # optimizer steps
+    optimizer: str = "adamw"              # adamw, or adafactor (T5's: steps relative to each weight's RMS; lr ~1e-2)
     lr: float = 1e-3
     embedding_lr_scale: float = 1.0       # the token-embedding table learns at lr x this (pretraining: 20)
     warmup_steps: int = 30
@@ -72,6 +74,17 @@ class TrainConfig:
             raise ConfigError("train.offload_optimizer: optimizer offload needs train.zero_stage >= 1")
         if self.offload_params and self.zero_stage not in (3, "auto"):
             raise ConfigError("train.offload_params: parameter offload needs train.zero_stage=3")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer == "adafactor":
+            # ZeRO stages >= 1 and DeepSpeed's bf16/fp16 optimizers hand the optimizer flat buffers, not the weights:
+            # Adafactor would factor nothing and scale its steps by the RMS of a whole buffer
+            if self.zero_stage not in (0, "auto") or self.offload_optimizer or self.offload_params:
+                raise ConfigError(f"train.optimizer: adafactor needs each weight whole (train.zero_stage=0, no "
+                                  f"offload; got zero_stage={self.zero_stage}); use adamw for ZeRO >= 1")
+            if self.precision in ("bf16", "fp16") or (self.precision == "auto" and self.use_gpu):
+                raise ConfigError("train.optimizer: adafactor needs train.precision=fp32 (DeepSpeed's 16-bit "
+                                  "optimizers flatten the weights); use adamw for 16-bit training")
         if not 0 < self.lr < 1:
             raise ConfigError(f"train.lr: {self.lr!r} is out of range; expected 0 < lr < 1")
         if not 0 < self.embedding_lr_scale <= 1000:

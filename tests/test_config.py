@@ -32,6 +32,10 @@ def test_yaml_and_overrides_fill_typed_fields(tmp_path):
     ("", ["model.variant=middle"], r"model.variant: 'middle' is not one of share, sep, global"),
     ("", ["train.lr=2"], r"train.lr: 2.0 is out of range"),
     ("", ["train.embedding_lr_scale=0"], r"train.embedding_lr_scale: 0.0 is out of range; expected 0 < scale"),
+    ("", ["train.optimizer=sgd"], r"train.optimizer: 'sgd' is not one of adamw, adafactor"),
+    ("train:\n  optimizer: adafactor\n  zero_stage: 3\n", [],
+     r"train.optimizer: adafactor needs each weight whole \(train.zero_stage=0, no offload; got zero_stage=3\)"),
+    ("", ["train.optimizer=adafactor", "train.use_gpu=true"], r"adafactor needs train.precision=fp32"),
     ("", ["train.lr"], r"expected key=value"),
     ("", ["train.precision=bf16"], r"needs GPU workers"),
 ])

@@ -109,6 +109,45 @@ def test_optimizer_groups_give_the_embedding_table_its_rate_only_when_asked_and_
     assert only["params"] == [p for p in frozen.parameters() if p.requires_grad] and only["lr"] == 1e-3
 
 
+def test_adafactor_first_step_is_the_papers_update_relative_to_each_weight():
+    """`train.optimizer=adafactor`: one step of the recipe's optimizer equals Adafactor's update re-computed by hand
+    from each weight's gradient (tests/adafactor_ref.py), so each weight moves by about lr x its own RMS, unlike
+    AdamW's lr for every weight: T5's embeddings (std 1) by ~1e-2, its first query projection (std 1/64 at t5-tiny)
+    by ~1e-4."""
+    import torch
+    from adafactor_ref import adafactor_first_update
+
+    from hpsearch.model import build_model
+    from hpsearch.train.dsconfig import optimizer_and_schedule
+
+    cfg = load_config(None, ["train.optimizer=adafactor", "train.lr=1e-2", "train.warmup_steps=0",
+                             "train.max_steps=10"])
+    torch.manual_seed(0)
+    model = build_model("t5-tiny", "mtl", ["a", "b"])
+    optimizer, _ = optimizer_and_schedule(model, cfg)
+    assert type(optimizer) is torch.optim.Adafactor
+    (group,) = optimizer.param_groups
+    assert group["lr"] == pytest.approx(1e-2 * 10 / 11)  # the schedule's first factor, as for AdamW
+    g = torch.Generator().manual_seed(1)
+    batch = dict(input_ids=torch.randint(3, 200, (4, 9), generator=g),
+                 labels=torch.randint(3, 200, (4, 4), generator=g), task_ids=torch.tensor([0, 1, 0, 1]))
+    model(**batch, attention_mask=torch.ones_like(batch["input_ids"])).loss.backward()
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    before = {n: p.detach().clone() for n, p in named}
+    expected = {n: adafactor_first_update(p.detach(), p.grad, group["lr"]) for n, p in named}
+    optimizer.step()
+    for n, p in named:  # to fp32's rounding of the weights themselves (2 ulps of the largest)
+        ulp = torch.finfo(torch.float32).eps * before[n].abs().max().item()
+        torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-4, atol=2 * ulp,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    rms = lambda t: t.pow(2).mean().sqrt().item()  # noqa: E731
+    table, query = "t5.shared.weight", "t5.encoder.block.0.layer.0.SelfAttention.q.weight"
+    for n in (table, query):
+        moved = rms(dict(model.named_parameters())[n].detach() - before[n]) / rms(before[n])
+        assert 0.3 * group["lr"] < moved <= group["lr"] * 1.0001, (n, moved)
+    assert rms(before[table]) > 30 * rms(before[query])  # so the two moved by very different absolute amounts
+
+
 def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -591,13 +630,19 @@ def test_startup_line_names_each_phase_in_order_and_reads_back():
 def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_path):
     """`train.embedding_lr_scale`: the recipe's optimizer in a 2-rank DeepSpeed engine at stages 0, 2 and 3. AdamW's
     first update moves each weight with a gradient by lr exactly (lr x g / |g|): the token-embedding table (tied to
-    the output layer) by lr x scale, every other weight by lr."""
+    the output layer) by lr x scale, every other weight by lr. And `train.optimizer=adafactor` at stage 0: torch's
+    Adafactor over the model's own weights, its first update the paper's (tests/adafactor_ref.py)."""
     from test_zero3 import run_workers
 
     run_workers("embedding_lr.py", tmp_path, timeout=600)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        adafactor = report.pop("adafactor")
         assert sorted(report) == ["0/1", "0/20", "2/1", "2/20", "3/1", "3/20"]
+        # Adafactor at stage 0: torch's own, over the model's weights whole, the paper's first update on every weight
+        assert adafactor["optimizer"] == "Adafactor" and adafactor["own_weights"]
+        assert adafactor["lr"] == pytest.approx(1e-2) and adafactor["trained"] == adafactor["params"]
+        assert max(adafactor["errors"].values()) < 1e-3, adafactor["errors"]
         for key, r in report.items():
             scale = float(key.split("/")[1])
             assert r["tied"]

@@ -21,6 +21,8 @@ def auto_zero_stage(cfg: RunConfig, n_params: int, worker_memory: float) -> tupl
     fastest); else ZeRO-3 partitions it. Offloading asks for the stage it needs."""
     need = STATE_BYTES_PER_PARAM * n_params
     why = f"training state ~{need / 2**30:.2f} GiB, {worker_memory / 2**30:.1f} GiB per worker"
+    if cfg.train.optimizer == "adafactor":
+        return 0, why + "; adafactor needs each weight whole"
     if cfg.train.offload_params:
         return 3, "parameter offload needs stage 3"
     if need > AUTO_FITS * worker_memory:
@@ -90,8 +92,16 @@ def optimizer_groups(model, cfg: RunConfig) -> list[dict]:
 
 
 def optimizer_and_schedule(model, cfg: RunConfig):
-    """AdamW over `optimizer_groups` and its schedule (`lr_lambda`), which the DeepSpeed engine steps."""
+    """The optimizer (`train.optimizer`) over `optimizer_groups` and its schedule (`lr_lambda`), which the DeepSpeed
+    engine steps. AdamW moves every weight by about lr per step whatever its size; Adafactor (torch's, as in T5:
+    factored second moments, no momentum, update clipping at 1) moves each by lr x max(1e-3, RMS(weight)), so T5's
+    embeddings (std 1) and its query projections (std (d_model x d_kv)^-0.5) each move by the same share of
+    themselves. Its lr is that share (T5: 1e-2); the schedule scales it like AdamW's."""
     import torch
 
-    optimizer = torch.optim.AdamW(optimizer_groups(model, cfg), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    groups = optimizer_groups(model, cfg)
+    if cfg.train.optimizer == "adafactor":
+        optimizer = torch.optim.Adafactor(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
