@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpsearch.errors import DataError
+from hpsearch.errors import ConfigError, DataError
 from hpsearch.pretrain.config import CorpusConfig
 from hpsearch.pretrain.corpus import describe_corpus, read_folder, suite_texts
 from hpsearch.pretrain.spans import corrupt, noise_mask, span_counts
@@ -43,6 +43,8 @@ def test_span_corruption_against_a_hand_worked_example():
     assert targets == [99, 7, 8, 98, 12, 1]             # sentinel, the tokens it hid; eos appended
     assert corrupt([5, 6, 7], [True, False, False], [99], eos=1) == ([99, 6, 7, 1], [99, 5, 1])
     assert corrupt([5, 6], [False, False], [99], eos=1) == ([5, 6, 1], [1])
+    # corpus.targets=full: the same inputs, the whole original piece as the target
+    assert corrupt(ids, mask, sentinels=[99, 98, 97], eos=1, full=True) == (inputs, [*ids, 1])
     with pytest.raises(ValueError, match="sentinel"):
         corrupt([5, 6, 7, 8], [True, False, True, False], [99], eos=1)
 
@@ -126,6 +128,19 @@ def test_a_batch_is_its_pieces_corrupted(tmp_path):
             rebuilt = [t for token in inputs[:-1] for t in (spans[token] if token in sentinels else [token])]
             assert rebuilt == piece
             assert sum(map(len, spans.values())) == span_counts(len(piece), 0.15, 3.0)[0]
+
+    # corpus.targets=full: the same corrupted inputs (the same masks), the whole piece and eos as the target
+    cfg, corpus = load_pretrain_config(None, [*TINY, f"data.cache_dir={tmp_path}", "corpus.targets=full"])
+    full = SpanCorruption(cfg, 0, 1, {"corpus": dataclasses.asdict(corpus)})
+    spans_first = objective.heldout[0][0]
+    picks, batch = next(copy.deepcopy(full.sampler)), full.batch()
+    for row, (_, piece_index) in enumerate(picks):
+        targets = batch["labels"][row][batch["labels"][row] != -100].tolist()
+        assert targets == [*full.chunks.train[piece_index], full.eos]
+        assert set(sentinels) & set(batch["input_ids"][row].tolist())  # the inputs are still corrupted
+    assert full.heldout[0][0] == spans_first and full.heldout[0][1] == [*full.chunks.heldout[0], full.eos]
+    with pytest.raises(ConfigError, match="corpus.targets: 'all' is not one of spans, full"):
+        load_pretrain_config(None, ["corpus.targets=all"])
 
 
 # ---- the corpus ----------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class CorpusConfig:
     text_field: str = "text"        # the field of a .jsonl row that holds its text
     noise_density: float = 0.15     # share of tokens dropped into spans (T5: 0.15)
     mean_span_length: float = 3.0   # mean length of a dropped span (T5: 3)
+    targets: str = "spans"          # spans: each sentinel and the tokens it hid (T5); full: the whole original piece
     max_length: int = 128           # tokens of a piece before corruption, eos included
     heldout_chunks: int = 64        # the corpus's last pieces, never trained on: the held-out loss and accuracy
     sentinels: int = 100            # <extra_id_0> ... added to the tokenizer
@@ -49,6 +50,8 @@ class CorpusConfig:
     def validate(self) -> None:
         if not 0 < self.noise_density < 1:
             raise ConfigError(f"corpus.noise_density: {self.noise_density!r}; expected 0 < density < 1")
+        if self.targets not in ("spans", "full"):
+            raise ConfigError(f"corpus.targets: {self.targets!r} is not one of spans, full")
         if self.mean_span_length < 1:
             raise ConfigError(f"corpus.mean_span_length: {self.mean_span_length!r}; expected >= 1")
         if self.max_length < 8:

@@ -68,7 +68,7 @@ class SpanCorruption:
 
     def _example(self, ids: list[int], rng: np.random.Generator) -> tuple[list[int], list[int]]:
         mask = noise_mask(len(ids), self.corpus.noise_density, self.corpus.mean_span_length, rng)
-        return corrupt(ids, mask, self.sentinels, self.eos)
+        return corrupt(ids, mask, self.sentinels, self.eos, full=self.corpus.targets == "full")
 
     def start(self, engine, device) -> None:
         self.engine, self.device = engine, device

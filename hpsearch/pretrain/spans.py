@@ -3,7 +3,7 @@ each dropped span in the input by one sentinel, and make the target the sentinel
 
     mask = noise_mask(length=10, noise_density=0.15, mean_span_length=3.0, rng=np.random.default_rng(0))
     inputs, targets = corrupt([5, 6, 7, 8], [False, True, True, False], sentinels=[99, 98], eos=1)
-    # inputs [5, 99, 8, 1], targets [99, 6, 7, 1]
+    # inputs [5, 99, 8, 1], targets [99, 6, 7, 1]; with full=True the targets are [5, 6, 7, 8, 1]
 
 The mask follows the T5 code's `random_spans_noise_mask`: round(length x density) noise tokens (at least 1, at most
 length - 1) in round(noise / mean length) spans (at least 1); the noise and the kept tokens are each split into that
@@ -49,10 +49,12 @@ def noise_mask(length: int, noise_density: float, mean_span_length: float, rng: 
     return mask
 
 
-def corrupt(ids: Sequence[int], mask: Sequence[bool], sentinels: Sequence[int], eos: int
+def corrupt(ids: Sequence[int], mask: Sequence[bool], sentinels: Sequence[int], eos: int, full: bool = False
             ) -> tuple[list[int], list[int]]:
     """(inputs, targets): each run of masked tokens becomes the next sentinel in the inputs; the targets are each
-    sentinel followed by the tokens it replaced. Both end with `eos`."""
+    sentinel followed by the tokens it replaced, or with `full` the whole original sequence (BART's text infilling,
+    the T5 paper's "reconstruct the original" targets: the decoder copies what it sees and fills in the spans).
+    Both end with `eos`."""
     if len(ids) != len(mask):
         raise ValueError(f"{len(ids)} tokens but a mask of {len(mask)}")
     inputs: list[int] = []
@@ -69,4 +71,6 @@ def corrupt(ids: Sequence[int], mask: Sequence[bool], sentinels: Sequence[int], 
             inputs.append(int(sentinels[span]))
             targets.append(int(sentinels[span]))
         targets.append(int(token))
+    if full:
+        targets = [int(t) for t in ids]
     return inputs + [eos], targets + [eos]
