@@ -104,7 +104,8 @@ def test_a_batch_is_its_pieces_corrupted(tmp_path):
     from hpsearch.pretrain.config import load_pretrain_config
     from hpsearch.pretrain.objective import SpanCorruption
 
-    cfg, corpus = load_pretrain_config(None, [*TINY, f"data.cache_dir={tmp_path}"])
+    cfg, corpus = load_pretrain_config(None, [*TINY, f"data.cache_dir={tmp_path}", "corpus.targets=spans"])
+    assert CorpusConfig().targets == "full"  # the default; T5's short targets here
     import dataclasses
     objective = SpanCorruption(cfg, 0, 1, {"corpus": dataclasses.asdict(corpus)})
     sentinels = set(objective.sentinels)
@@ -189,7 +190,8 @@ def test_the_default_corpus_is_the_training_inputs_only():
 
 # ---- runs ----------------------------------------------------------------------------------------------------------
 def heldout_loss_of(backbone: Path, objective) -> float:
-    """The held-out span-corruption loss of an exported backbone, computed with stock T5 (HF's own loss per row)."""
+    """The held-out loss of an exported backbone (the objective's corrupted inputs and targets), computed with stock
+    T5 (HF's own loss per row)."""
     from transformers import T5ForConditionalGeneration
 
     t5 = T5ForConditionalGeneration.from_pretrained(backbone).eval()
@@ -225,6 +227,7 @@ def test_pretraining_resume_equals_an_uninterrupted_run_and_exports_the_best_wei
     assert full["best_step"] == best["step"]
     cfg, corpus = load_pretrain_config(None, TINY)
     assert cfg.train.embedding_lr_scale == 20  # the default: the runs above resumed two AdamW groups
+    assert corpus.targets == "full"  # ...and trained on the default's whole-piece targets
     objective = SpanCorruption(cfg, 0, 1, {"corpus": dataclasses.asdict(corpus)})
     assert heldout_loss_of(tmp_path / "full" / "backbone", objective) == pytest.approx(best["heldout_loss"],
                                                                                           rel=1e-4)
@@ -232,10 +235,12 @@ def test_pretraining_resume_equals_an_uninterrupted_run_and_exports_the_best_wei
 
 @pytest.mark.slow
 def test_pretraining_with_ray_lowers_the_loss_and_its_backbone_fine_tunes(tmp_path):
-    # one learning rate for all (the default's 20 x for the embeddings suits 2,500 steps at 5e-4, not 40 at 3e-3;
-    # the resume test above runs the default's two AdamW groups)
+    # one learning rate for all (the default's 20 x for the embeddings suits 1,500 steps at 5e-4, not 40 at 3e-3)
+    # and T5's short targets (spans), for which the 1-nat drop below was set; the resume test above runs the
+    # defaults (two AdamW groups, full targets)
     out = pretrain(*TINY, "train.max_steps=40", "train.eval_every=10", "train.log_every=10", "train.num_workers=2",
-                   "train.embedding_lr_scale=1", "train.cpus_per_worker=0.9", "train.zero_stage=3",
+                   "train.embedding_lr_scale=1", "corpus.targets=spans", "train.cpus_per_worker=0.9",
+                   "train.zero_stage=3",
                    f"train.output_dir={tmp_path}/pre", cwd=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "pre" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [10, 20, 30, 40]
@@ -264,6 +269,7 @@ def test_pretraining_with_ray_lowers_the_loss_and_its_backbone_fine_tunes(tmp_pa
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("hpsearch/pretrain").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["corpus.noise_density"] == "0.15"
+    assert run.data.params["corpus.targets"] == "spans"  # the override, recorded
     history = client.get_metric_history(run.info.run_id, "heldout_loss")
     assert sorted(m.step for m in history) == [10, 20, 30, 40]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["loss.png"]

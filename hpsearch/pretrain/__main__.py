@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
         if curve is not None:
             run.log_artifact(curve)
         run.finish(status)
-    _say(f"backbone: {metrics['backbone']} (held-out span accuracy {metrics.get('best_score', float('nan')):.1f} % "
+    _say(f"backbone: {metrics['backbone']} (held-out target accuracy {metrics.get('best_score', float('nan')):.1f} % "
          f"at step {metrics.get('best_step')}); MLflow: {ui_command(uri)}")
     _say(f"fine-tune from it: python -m hpsearch.tune --space search_spaces/glue-local.yaml "
          f"model.backbone={metrics['backbone']}")
@@ -124,7 +124,7 @@ def _plot(out_dir: Path) -> Path | None:
     ax.plot(steps, [r["loss"] for r in rows], marker="o", label="training loss (mean since last evaluation)")
     ax.plot(steps, [r["heldout_loss"] for r in rows], marker="s", label="held-out loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("span-corruption loss (nats / target token)")
+    ax.set_ylabel("loss (nats / target token)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
