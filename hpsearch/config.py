@@ -81,7 +81,12 @@ class TrainConfig:
             # Adafactor would factor nothing and scale its steps by the RMS of a whole buffer
             if self.zero_stage not in (0, "auto") or self.offload_optimizer or self.offload_params:
                 raise ConfigError(f"train.optimizer: adafactor needs each weight whole (train.zero_stage=0, no "
-                                  f"offload; got zero_stage={self.zero_stage}); use adamw for ZeRO >= 1")
+                                  f"offload; got zero_stage={self.zero_stage}, offload_optimizer="
+                                  f"{self.offload_optimizer}, offload_params={self.offload_params}); use adamw for "
+                                  "ZeRO >= 1")
+            if self.embedding_lr_scale != 1:
+                raise ConfigError(f"train.embedding_lr_scale: {self.embedding_lr_scale:g} with adafactor, whose steps "
+                                  "already scale with each weight's size (the embeddings' too); set it to 1")
             if self.precision in ("bf16", "fp16") or (self.precision == "auto" and self.use_gpu):
                 raise ConfigError("train.optimizer: adafactor needs train.precision=fp32 (DeepSpeed's 16-bit "
                                   "optimizers flatten the weights); use adamw for 16-bit training")

@@ -1,6 +1,8 @@
 """Adafactor's first update re-computed from the paper's equations (Shazeer & Stern 2018, Alg. 4 with relative
-step sizes, beta1 = 0), independent of torch's implementation: tests/test_train.py and the DeepSpeed worker
-tests/workers/embedding_lr.py compare the recipe's optimizer against it."""
+step sizes, beta1 = 0), written apart from torch's code (sums, not means; float64) but with torch's epsilons (eps1 =
+fp32 eps, clamped as eps1^2 on V; the paper's eps1 is 1e-30): tests/test_train.py and the DeepSpeed worker
+tests/workers/embedding_lr.py compare the recipe's optimizer against it. Only the first step: there the second
+moment's decay (beta2_hat = 0) and the 1/sqrt(t) cap do not act yet, so those are torch's, untested here."""
 import torch
 
 EPS1, EPS2, D = torch.finfo(torch.float32).eps, 1e-3, 1.0  # torch's defaults (eps=(None, 1e-3), d=1)

@@ -249,6 +249,7 @@ def test_pretraining_with_ray_lowers_the_loss_and_its_backbone_fine_tunes(tmp_pa
     assert backbone == tmp_path / "pre" / "backbone"
     assert {"config.json", "model.safetensors", "tokenizer.json", "pretrain.json"} <= {p.name for p in
                                                                                           backbone.iterdir()}
+    assert json.loads((backbone / "pretrain.json").read_text())["targets"] == "spans"  # which objective made it
     # it loads as a backbone: its weights become the fine-tuned model's T5, its tokenizer is the checkpoint's
     from safetensors.torch import load_file
 

@@ -186,7 +186,8 @@ def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_d
     assert auto_zero_stage(load_config(None, ["train.offload_optimizer=true"]), 60_000_000, 12 * gib)[0] == 2
     assert auto_zero_stage(load_config(None, ["train.offload_params=true"]), 60_000_000, 12 * gib)[0] == 3
     # Adafactor needs each weight whole: auto keeps stage 0 even when ZeRO-3 would have partitioned the model
-    assert auto_zero_stage(load_config(None, ["train.optimizer=adafactor"]), 220_000_000, 6 * gib)[0] == 0
+    stage, why = auto_zero_stage(load_config(None, ["train.optimizer=adafactor"]), 220_000_000, 6 * gib)
+    assert stage == 0 and "may run out of memory" in why
     assert deepspeed_config(cfg, 2, 0)["zero_optimization"]["stage"] == 0
     fixed = load_config(None, ["train.zero_stage=1"])
     assert fixed.train.zero_stage == 1 and deepspeed_config(fixed, 2, 0)["zero_optimization"]["stage"] == 1

@@ -6,7 +6,8 @@ Defaults (`DEFAULTS`): the `t5-mini` shape, plain T5 (model.method=mtl), one Ray
 (a 13 M-parameter model fits: sharding it would only add traffic), the GLUE training inputs of ../shared/data/glue
 as the corpus, and a budget that takes about an hour on 2 CPU cores (measured, with evaluations). The token
 embeddings learn at 20 x the rate of the rest (`train.embedding_lr_scale`): T5 starts them at std 1, and at the
-layers' rate they barely moved (held-out loss after 2,500 steps: 3.89 with the scale, 4.28 without; README).
+layers' rate they barely moved (held-out loss after 2,500 steps with span targets: 3.89 with the scale, 4.28
+without; README).
 The inputs are T5's span corruption; the targets are the whole original piece (`corpus.targets=full`), because with
 T5's short targets (`spans`) the decoder of this small model learned them without reading the encoder, and the
 backbone fine-tuned no better than random weights (README).

@@ -134,6 +134,7 @@ class SpanCorruption:
                 "corpus": describe_corpus(self.corpus, self.cfg.data),
                 "corpus_tokens": self.chunks.tokens, "step": best["step"], "heldout_accuracy": best["score"],
                 "noise_density": self.corpus.noise_density, "mean_span_length": self.corpus.mean_span_length,
+                "targets": self.corpus.targets,
                 "data_seed": self.cfg.data.data_seed}, indent=1) + "\n")
             shutil.rmtree(target, ignore_errors=True)
             os.replace(partial, target)

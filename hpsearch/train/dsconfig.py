@@ -22,7 +22,8 @@ def auto_zero_stage(cfg: RunConfig, n_params: int, worker_memory: float) -> tupl
     need = STATE_BYTES_PER_PARAM * n_params
     why = f"training state ~{need / 2**30:.2f} GiB, {worker_memory / 2**30:.1f} GiB per worker"
     if cfg.train.optimizer == "adafactor":
-        return 0, why + "; adafactor needs each weight whole"
+        fits = "" if need <= AUTO_FITS * worker_memory else " (more than half of it: may run out of memory)"
+        return 0, why + fits + "; adafactor needs each weight whole"
     if cfg.train.offload_params:
         return 3, "parameter offload needs stage 3"
     if need > AUTO_FITS * worker_memory:

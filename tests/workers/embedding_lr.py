@@ -86,7 +86,7 @@ errors = {}
 for n, p in model.named_parameters():
     if n in grads:
         want = adafactor_first_update(before[n], grads[n], lr)
-        errors[n] = ((p.detach() - before[n] - want).abs().max() / want.abs().max()).item()
+        errors[n] = ((p.detach() - before[n] - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
 report["adafactor"] = {"optimizer": type(engine.optimizer).__name__, "lr": lr,
                        "own_weights": len(handed) == len(own) and all(id(p) in own for p in handed),
                        "errors": errors, "trained": len(grads), "params": len(own)}
