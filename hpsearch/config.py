@@ -22,6 +22,7 @@ from hpsearch.model.config import ModelConfig
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adafactor")
+HOST_ALLOCATORS = ("auto", "reuse", "system")  # train.host_allocator (hpsearch/train/hostmem.py)
 
 
 @dataclass
@@ -35,6 +36,8 @@ class TrainConfig:
     zero_init: bool | str = "auto"        # stage 3: build under deepspeed.zero.Init (auto: on GPU workers)
     offload_optimizer: bool = False       # ZeRO-Offload of optimizer states to CPU
     offload_params: bool = False          # ZeRO-Infinity style parameter offload to CPU (stage 3)
+    host_allocator: str = "auto"          # reuse: malloc keeps freed tensor memory (fewer page faults; auto: on CPU
+                                          # workers); system: glibc's defaults (hpsearch/train/hostmem.py)
     micro_batch_size: int = 16            # per worker
     grad_accum: int = 1
     max_steps: int = 300                  # optimizer steps
@@ -70,6 +73,9 @@ class TrainConfig:
             raise ConfigError(f"train.zero_stage: {self.zero_stage!r} is not one of 0, 1, 2, 3, auto")
         if self.zero_init not in (True, False, "auto"):
             raise ConfigError(f"train.zero_init: {self.zero_init!r} is not one of true, false, auto")
+        if self.host_allocator not in HOST_ALLOCATORS:
+            raise ConfigError(f"train.host_allocator: {self.host_allocator!r} is not one of "
+                              f"{', '.join(HOST_ALLOCATORS)}")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ConfigError("train.offload_optimizer: optimizer offload needs train.zero_stage >= 1")
         if self.offload_params and self.zero_stage not in (3, "auto"):

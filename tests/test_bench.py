@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from hpsearch.train import hostmem
+
 RATIO_GROUPS = ("step", "generate", "flops", "deepspeed")
 
 
@@ -42,6 +44,7 @@ def test_smoke_tiny_shape_json_fields():
 
     out = report(bench("--shape", "t5-tiny", "--reps", "2", "--only", *RATIO_GROUPS, "--json"))
     assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
+    assert out["host_allocator"] == ("reuse" if hostmem.glibc() else "unavailable")  # what CPU training does
     assert len(out["load_before"]) == 3 and len(out["load_after"]) == 3
     check_figures(out)
     figures, errors = out["figures"], out["errors"]

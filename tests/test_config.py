@@ -33,6 +33,7 @@ def test_yaml_and_overrides_fill_typed_fields(tmp_path):
     ("", ["train.lr=2"], r"train.lr: 2.0 is out of range"),
     ("", ["train.embedding_lr_scale=0"], r"train.embedding_lr_scale: 0.0 is out of range; expected 0 < scale"),
     ("", ["train.optimizer=sgd"], r"train.optimizer: 'sgd' is not one of adamw, adafactor"),
+    ("", ["train.host_allocator=jemalloc"], r"train.host_allocator: 'jemalloc' is not one of auto, reuse, system"),
     ("train:\n  optimizer: adafactor\n  zero_stage: 3\n", [],
      r"train.optimizer: adafactor needs each weight whole \(train.zero_stage=0, no offload; got zero_stage=3,"),
     ("", ["train.optimizer=adafactor", "train.offload_optimizer=true"], r"got zero_stage=auto, offload_optimizer=True"),

@@ -28,6 +28,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's current number)")
     p.add_argument("--batching", choices=("task", "mixed"), default="task",
                    help="task ids of the batch: one task (the recipe's default) or all tasks mixed")
+    p.add_argument("--host-allocator", choices=("reuse", "system"), default="reuse",
+                   help="malloc in this process (groups step to deepspeed): reuse freed memory, as CPU training "
+                        "does (train.host_allocator=auto), or glibc's defaults, for contrast")
     p.add_argument("--memory-shape", default="t5-large", help="the shape of group memory (default: t5-large)")
     p.add_argument("--memory-world", type=int, default=2, help="the ranks of group memory, one process each (2)")
     p.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP", help=f"run only these: {', '.join(GROUPS)}")
@@ -88,15 +91,18 @@ def main(argv: list[str]) -> int:
     import torch
 
     from hpsearch.bench import memory, models, study, trial, zero
+    from hpsearch.train import hostmem
 
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    allocator = hostmem.apply(args.host_allocator, use_gpu=False)  # what a CPU worker does (train.host_allocator)
     load_before = os.getloadavg()
     header = (f"hpsearch.bench: shape {args.shape}, {args.tasks} tasks, batch {models.BATCH} x ({models.SOURCE_LEN} + "
               f"{models.TARGET_LEN}) tokens, {args.batching} batching, reps {args.reps} (+1 warm-up), groups "
               f"{' '.join(groups)}\nmachine: {os.cpu_count()}-core CPU ({_cpu_name()}), torch {torch.__version__}, "
-              f"{threads} torch threads, load (1/5/15 min) before {' '.join(f'{x:.2f}' for x in load_before)}")
+              f"{threads} torch threads, host allocator {allocator}, load (1/5/15 min) before "
+              f"{' '.join(f'{x:.2f}' for x in load_before)}")
     print(header, flush=True)
     figures, errors = [], {}
     started = time.perf_counter()
@@ -127,7 +133,8 @@ def main(argv: list[str]) -> int:
             "shape": args.shape, "tasks": args.tasks, "reps": args.reps, "warmup_rounds": 1, "groups": groups,
             "batch": {"rows": models.BATCH, "source_tokens": models.SOURCE_LEN, "target_tokens": models.TARGET_LEN,
                       "batching": args.batching},
-            "threads": threads, "cpu_count": os.cpu_count(), "cpu": _cpu_name(), "torch": torch.__version__,
+            "threads": threads, "host_allocator": allocator, "cpu_count": os.cpu_count(), "cpu": _cpu_name(),
+            "torch": torch.__version__,
             "load_before": list(load_before), "load_after": list(load_after),
             "figures": {f.name: f.to_json() for f in figures}, "errors": errors}))
     return 0

@@ -13,7 +13,7 @@ import torch
 
 from hpsearch.config import load_config
 from hpsearch.errors import UserError, disk_full
-from hpsearch.train import checkpoints, startup
+from hpsearch.train import checkpoints, hostmem, startup
 from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
@@ -90,6 +90,7 @@ def _train(loop_config: dict, session) -> dict:
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_flush_denormal(True)  # subnormal floats (tiny optimizer moments, late in training) are slow on CPU
+    hostmem.apply(cfg.train.host_allocator, cfg.train.use_gpu)  # CPU workers: malloc reuses freed tensor memory
     import deepspeed
 
     marks = {**(loop_config.get("startup") or {}), "imports": time.time()}  # start-up phases (startup.py)

@@ -1,0 +1,61 @@
+"""Host memory on CPU workers: glibc malloc settings that keep a training process's freed tensor memory for reuse.
+
+PyTorch takes CPU tensors from malloc. glibc serves a block above its mmap threshold (dynamic, from 128 KiB up to
+32 MiB) with fresh pages from the kernel and gives them back on free, and it gives the top of the heap back once
+more than its trim threshold (twice the mmap threshold) is free there. A train step frees and allocates its
+activations and gradients again every step, so the kernel maps and zeroes them again every step: measured here,
+123,000 minor page faults per t5-small train step (batch 32 x 64 tokens) with glibc's defaults, 35,000 with these
+settings, and the step 8-10 % faster (2.33 -> 2.14 s, MTL, min of 5). GPU tensors come from the CUDA caching
+allocator and never see this, so `train.host_allocator=auto` applies it to CPU workers only.
+
+`reuse_freed_memory()` sets, through `mallopt`:
+- M_MMAP_THRESHOLD = 32 MiB, glibc's largest on 64-bit: blocks up to it come from the heap (this also turns off
+  the dynamic threshold);
+- M_TRIM_THRESHOLD = 1 GiB: freed heap memory stays mapped for the next step unless a whole GiB is free at its top;
+- M_TOP_PAD = 64 MiB: the heap grows in larger pieces.
+A process's resident memory then stays near its peak between steps (and between trials in a reused Tune actor)
+instead of falling back after each one; the peak itself does not grow. Blocks above 32 MiB (the t5-small logits of
+batch 32: 33 MB) are still mapped per use. Not glibc (macOS, musl): nothing is set.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
+SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
+
+
+def glibc():
+    """The C library when it is glibc (it has `mallopt`), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl has mallopt but none of these parameters)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def resolve(host_allocator: str, use_gpu: bool) -> str:
+    """"reuse" or "system": what `train.host_allocator` means for these workers (auto: reuse on CPU workers)."""
+    if host_allocator == "auto":
+        return "system" if use_gpu else "reuse"
+    return host_allocator
+
+
+def reuse_freed_memory() -> bool:
+    """Set this process's malloc to keep freed memory for reuse (see the module docstring); True when it took."""
+    libc = glibc()
+    if libc is None:
+        return False
+    libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(libc.mallopt(param, value) == 1 for param, value in SETTINGS.items())
+
+
+def apply(host_allocator: str, use_gpu: bool) -> str:
+    """Apply `train.host_allocator` in this process; returns what it did: "reuse", "system" or "unavailable"."""
+    if resolve(host_allocator, use_gpu) == "system":
+        return "system"
+    return "reuse" if reuse_freed_memory() else "unavailable"
