@@ -105,6 +105,43 @@ def test_generators_run_for_the_batchs_tasks_only_and_give_the_all_task_values(n
         assert torch.allclose(mine, theirs, atol=1e-6), n
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["dynamic", "frozen"])
+@pytest.mark.parametrize("name", WITH_TASK_PARAMS)
+def test_a_one_task_batch_applies_its_task_row_once_and_equals_the_per_row_path(name, frozen, batch, monkeypatch):
+    """A one-task batch (the recipe's default) takes its task's row of each per-task tensor once (`shared`), not a
+    copy per row; its logits, generations and every method parameter's gradient equal the per-row path's."""
+    model = perturb(make(name))
+    if frozen:
+        model.freeze_task_params()
+    one = {**batch, "task_ids": torch.full((4,), 2)}
+    assert model.task_context(one["task_ids"], 4).shared == 2
+    assert model.task_context(batch["task_ids"], 4).shared is None  # the fixture mixes tasks
+    out = model(**one)
+    generated = model.generate(one["input_ids"], one["attention_mask"], task_ids=one["task_ids"], max_new_tokens=4)
+    if not frozen:
+        out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in method_params(model).items() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    context = model.task_context
+
+    def per_row(task_ids, batch_size=None):
+        ctx = context(task_ids, batch_size)
+        ctx.shared = ctx._shared_row = None
+        return ctx
+    monkeypatch.setattr(model, "task_context", per_row)
+    rows = model(**one)
+    assert torch.equal(model.generate(one["input_ids"], one["attention_mask"], task_ids=one["task_ids"],
+                                      max_new_tokens=4), generated)
+    assert (out.logits - rows.logits).abs().max() <= 1e-5
+    if frozen:
+        return
+    rows.loss.backward()
+    assert grads and set(grads) == {n for n, p in method_params(model).items() if p.grad is not None}
+    for n, p in method_params(model).items():
+        if n in grads:
+            assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+
+
 @pytest.mark.parametrize("name", SETUPS)
 def test_generation_cached_equals_uncached_and_beams_follow_tasks(name, batch):
     model = make(name, seed=3, config=tiny_config(d_model=64, d_kv=16))

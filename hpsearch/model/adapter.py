@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, per_row, sublayer_modules
+from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, row_linear, sublayer_modules
 
 
 def normal_linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
@@ -36,9 +36,9 @@ def normal_linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
 
 def row_bottleneck(y: torch.Tensor, down_w, down_b, up_w, up_b) -> torch.Tensor:
     """U(ReLU(D y + c)) + u with one adapter per row: y [B, n, d], down_w [B, b, d], down_b [B, b],
-    up_w [B, d, b], up_b [B, d] (weights laid out [out, in] as in nn.Linear)."""
-    h = F.relu(y @ down_w.transpose(1, 2) + down_b[:, None])
-    return h @ up_w.transpose(1, 2) + up_b[:, None]
+    up_w [B, d, b], up_b [B, d] (weights laid out [out, in] as in nn.Linear), or one adapter for every row
+    (leading dimension 1)."""
+    return row_linear(F.relu(row_linear(y, down_w, down_b)), up_w, up_b)
 
 
 class TaskAdapter(nn.Module):
@@ -51,11 +51,10 @@ class TaskAdapter(nn.Module):
         self.up_weight = nn.Parameter(torch.randn(num_tasks, d_model, bottleneck) * std)
         self.up_bias = nn.Parameter(torch.zeros(num_tasks, d_model))
 
-    def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         """U_tau(ReLU(D_tau x + c_tau)) + u_tau for each row's task (the residual is the caller's)."""
-        ids = task_ids.to(self.down_weight.device)
-        weights = (per_row(w, ids).to(x.dtype) for w in (self.down_weight, self.down_bias, self.up_weight,
-                                                          self.up_bias))
+        weights = (ctx.select(w, x.shape[0]).to(x.dtype) for w in (self.down_weight, self.down_bias,
+                                                                   self.up_weight, self.up_bias))
         return row_bottleneck(x, *weights)
 
 
@@ -81,13 +80,13 @@ class AdapterT5(MultiTaskT5):
         name = site_name(site)
         if self.cfg.adapter_insertion != "parallel" or name not in self.adapters:
             return None
-        return self.cfg.adapter_scale * self.adapters[name](x, ctx.ids(x.shape[0]))
+        return self.cfg.adapter_scale * self.adapters[name](x, ctx)
 
     def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
         name = site_name(site)
         if self.cfg.adapter_insertion != "sequential" or name not in self.adapters:
             return output
-        return output + self.cfg.adapter_scale * self.adapters[name](output, ctx.ids(output.shape[0]))
+        return output + self.cfg.adapter_scale * self.adapters[name](output, ctx)
 
     def parameter_formula(self) -> Formula:
         d, b, T, S = self.t5.config.d_model, self.cfg.bottleneck, len(self.tasks), len(self.sites)

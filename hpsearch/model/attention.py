@@ -1,7 +1,7 @@
 """The attention hook: key/value prompts inside T5 self-attention (transformers 5.x `AttentionInterface`).
 
 Every T5 attention module of a wrapped model calls `prompted_attention`. A self-attention module that carries
-prompts (`module.hp_prompt = (keys, values)`, each [batch, heads, l, d_kv]) attends over [prompts; tokens]:
+prompts (`module.hp_prompt = (keys, values)`, each [batch | 1, heads, l, d_kv]) attends over [prompts; tokens]:
 
     softmax(Q [P_k; K]^T + [0 | position_bias] + [0 | mask]) [P_v; V]        (T5: no 1/sqrt(d) scaling)
 
@@ -41,9 +41,12 @@ def _additive_mask(module, mask, q_len: int, k_len: int, dtype, device) -> torch
 
 
 def expand_rows(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """Per-example tensors (prompts, task ids) follow beam search, which repeats each example (repeat_interleave)."""
+    """Per-example tensors (prompts, task ids) follow beam search, which repeats each example (repeat_interleave);
+    one row shared by the whole batch (a one-task batch's prompts) is a view, not copies."""
     if t.shape[0] == batch:
         return t
+    if t.shape[0] == 1:
+        return t.expand(batch, *t.shape[1:])
     if not t.shape[0] or batch % t.shape[0]:
         raise RuntimeError(f"per-example batch {t.shape[0]} does not divide the running batch {batch}")
     return t.repeat_interleave(batch // t.shape[0], dim=0)

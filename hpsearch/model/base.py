@@ -53,12 +53,17 @@ class Formula:
 class TaskContext:
     """One call's task information: validated `task_ids` [batch] (or None) and the per-task tensor table, whose
     row for each batch row is `table_ids` (the task id itself when the table holds every task, else its position
-    among the tasks the table was generated for)."""
+    among the tasks the table was generated for). `shared`: the task every batch row has, when they all have the
+    same one (a one-task batch, the recipe's default), found on the CPU; then `select` and `rows` hand out that
+    task's row alone ([1, ...]) and a method applies it to the whole batch at once, instead of a copy per row."""
 
-    def __init__(self, task_ids: torch.Tensor | None, table: dict, table_ids: torch.Tensor | None = None):
+    def __init__(self, task_ids: torch.Tensor | None, table: dict, table_ids: torch.Tensor | None = None,
+                 shared: int | None = None):
         self.task_ids = task_ids
         self.table = table
         self.table_ids = task_ids if table_ids is None else table_ids
+        self.shared = shared
+        self._shared_row = None if shared is None else shared if table_ids is None else 0  # one task generated
         self._rows: dict = {}
 
     def ids(self, batch: int | None = None) -> torch.Tensor:
@@ -67,16 +72,33 @@ class TaskContext:
             raise ValueError("task_ids is required: a LongTensor [batch] of indices into model.tasks")
         return self.task_ids if batch is None else expand_rows(self.task_ids, batch)
 
+    def select(self, params: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+        """A per-task parameter ([T, ...], one row per task of the model) for each of `batch` rows: [batch, ...],
+        or [1, ...] (a view of the one row) when every row has the same task. Call it inside the module that owns
+        `params` (ZeRO-3 gathers them there)."""
+        return self._pick(params, self.task_ids, self.shared, batch)
+
     def rows(self, key, batch: int | None = None):
-        """`table[key]` indexed by each row's task: [batch, ...] (a tuple stays a tuple)."""
+        """`table[key]` for each row's task, as `select` gives it: [batch | 1, ...] (a tuple stays a tuple)."""
         batch = batch if batch is not None else self.ids().numel()
         if (key, batch) not in self._rows:
             value = self.table[key]
-            self.ids()  # task_ids is required
-            ids = expand_rows(self.table_ids, batch)
-            index = lambda t: per_row(t, ids)
+            index = lambda t: self._pick(t, self.table_ids, self._shared_row, batch)
             self._rows[(key, batch)] = tuple(map(index, value)) if isinstance(value, tuple) else index(value)
         return self._rows[(key, batch)]
+
+    def _pick(self, table: torch.Tensor, ids: torch.Tensor, shared: int | None, batch: int | None) -> torch.Tensor:
+        rows = self.ids(batch).numel()  # task_ids is required
+        if shared is not None:
+            return table.narrow(0, shared, 1)
+        return per_row(table, expand_rows(ids, rows))
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, n, in] through a linear map per row, `weight` [B, out, in] and `bias` [B, out] (nn.Linear's layout),
+    or one map for every row ([1, ...], `TaskContext.select`'s shared row): then a single matrix product."""
+    y = x @ weight[0].T if weight.shape[0] == 1 else x @ weight.transpose(1, 2)
+    return y if bias is None else y + bias[:, None]
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -211,15 +233,17 @@ class MultiTaskT5(nn.Module):
             raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
         device = next(self.t5.parameters()).device
         if self._frozen is not None:
-            return TaskContext(_to(task_ids, device), self._frozen)
+            one = task_ids.numel() > 0 and bool((task_ids == task_ids[0]).all())
+            return TaskContext(_to(task_ids, device), self._frozen, shared=int(task_ids[0]) if one else None)
         # the generators run for the tasks the batch holds only: every rank still calls the same modules (ZeRO-3),
         # with fewer rows
         present, table_ids = torch.unique(task_ids, sorted=True, return_inverse=True)
         return TaskContext(_to(task_ids, device), self.generate_task_tensors(device, _to(present, device)),
-                           _to(table_ids, device))
+                           _to(table_ids, device), shared=int(present[0]) if present.numel() == 1 else None)
 
     def hyper_prompts(self, task_ids, batch_size: int | None = None) -> Prompts:
-        """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv], exactly as they enter attention."""
+        """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv] ([1, ...] when every row has the same task:
+        attention expands them), exactly as they enter attention."""
         return self.attention_prompts(self.task_context(task_ids, batch_size))
 
     @contextmanager

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import T5ForConditionalGeneration
 
 from hpsearch.model.attention import self_attention_modules
-from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, per_row
+from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, row_linear
 
 LORA_PROJECTIONS = ("q", "v")
 
@@ -44,10 +44,9 @@ class TaskLoRA(nn.Module):
         nn.init.uniform_(self.A, -d_in ** -0.5, d_in ** -0.5)  # kaiming_uniform_(a=sqrt(5)) of each [r, d_in]
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        ids = task_ids.to(self.A.device)
-        h = self.dropout(x) @ per_row(self.A, ids).to(x.dtype).transpose(1, 2)
-        return (h @ per_row(self.B, ids).to(x.dtype).transpose(1, 2)) * self.scaling
+    def forward(self, x: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        h = row_linear(self.dropout(x), ctx.select(self.A, x.shape[0]).to(x.dtype))
+        return row_linear(h, ctx.select(self.B, x.shape[0]).to(x.dtype)) * self.scaling
 
 
 def site_name(site: Site) -> str:
@@ -69,7 +68,7 @@ class LoRAT5(MultiTaskT5):
         name = site_name(site)
         if name not in self.lora:
             return None
-        return self.lora[name](x, ctx.ids(x.shape[0]))
+        return self.lora[name](x, ctx)
 
     @torch.no_grad()
     def merge(self, task, state: dict | None = None) -> T5ForConditionalGeneration:

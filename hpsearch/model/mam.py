@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hpsearch.model.adapter import row_bottleneck
-from hpsearch.model.base import Formula, Site, TaskContext, per_row
+from hpsearch.model.base import Formula, Site, TaskContext
 from hpsearch.model.prefix import PREFIX_FORMULA, PrefixT5
 
 
@@ -38,10 +38,9 @@ class ParallelAdapter(nn.Module):
         self.up_bias = nn.Parameter(torch.zeros(num_tasks, d_model))
         nn.init.uniform_(self.down_weight, -d_model ** -0.5, d_model ** -0.5)  # kaiming_uniform_(a=sqrt(5))
 
-    def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        ids = task_ids.to(self.down_weight.device)
-        weights = (per_row(w, ids).to(x.dtype) for w in (self.down_weight, self.down_bias, self.up_weight,
-                                                          self.up_bias))
+    def forward(self, x: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
+        weights = (ctx.select(w, x.shape[0]).to(x.dtype) for w in (self.down_weight, self.down_bias,
+                                                                   self.up_weight, self.up_bias))
         return self.scale * row_bottleneck(x, *weights)
 
 
@@ -62,7 +61,7 @@ class MAMT5(PrefixT5):
         side, layer, kind = site
         if kind != "ffn":
             return None
-        return self.adapters[f"{side}_{layer}"](x, ctx.ids(x.shape[0]))
+        return self.adapters[f"{side}_{layer}"](x, ctx)
 
     def parameter_formula(self) -> Formula:
         prefix = self.prefix_formula()
