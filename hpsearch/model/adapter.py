@@ -15,7 +15,8 @@ Extra parameters (T tasks, S adapted sublayers = (L_enc + L_dec) * (2 if both el
     T * S * (2*d*b + b + d)
 
 Each site is one module holding all tasks' weights ([T, ...]); it is called on every forward whatever tasks the
-batch holds, and indexes its own parameters per row inside its own forward (ZeRO-3 safe).
+batch holds, and indexes its own parameters per row inside its own forward (ZeRO-3 safe; a one-task batch takes its
+task's row once, `TaskContext.select`).
 """
 from __future__ import annotations
 

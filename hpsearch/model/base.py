@@ -22,7 +22,8 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
     extra_parameters(), parameter_formula()   counts from the real modules, and the closed formula
 
 `ctx` is the `TaskContext` of the current forward/generate call: the batch's task ids and the per-task tensors,
-indexed per row on request (following beam search's repeat_interleave). Every hook runs on every call, for every
+indexed per row on request (following beam search's repeat_interleave; a one-task batch gets its task's row once,
+[1, ...], and `row_linear` applies it as one matrix product). Every hook runs on every call, for every
 layer, whatever tasks the batch holds: data-parallel ranks call the same modules in the same order (ZeRO-3).
 Plain multi-task T5 (MTL) is this class as it is.
 """
