@@ -173,3 +173,48 @@ def test_tokenized_suite_batches_equal_encode_batch(lengths, tmp_path):
                 assert set(got) == set(want)
                 for key in want:
                     assert torch.equal(got[key], want[key]), (source, split, key)
+
+
+class Counting:
+    """A tokenizer that counts its calls (the rest is the wrapped tokenizer's)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+        self.pad_token_id, self.backend_tokenizer = tokenizer.pad_token_id, tokenizer.backend_tokenizer
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+
+def test_token_ids_are_cached_on_disk_under_the_tokenizer_the_length_and_the_texts(tmp_path):
+    """The next TokenizedSuite reads the ids its predecessor stored instead of tokenizing; another maximum length,
+    another tokenizer or a damaged file tokenize again (and give the tokenizer's ids)."""
+    from hpsearch.data.tokens import TokenizedSuite
+
+    cfg = DataConfig(max_train_rows=200, max_eval_rows=50, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(cfg)
+    task = suite.tasks[0]
+    tokenizer = Counting(get_tokenizer("t5-tiny", cfg, suite, 8192))
+    want = TokenizedSuite(suite, tokenizer, cfg).ids(task, "train")
+    assert tokenizer.calls == 2 and len(list((tmp_path / "cache" / "tokens").glob("*.npz"))) == 2  # sources, targets
+    direct = tokenizer.tokenizer([r.source for r in suite.split(task, "train")], max_length=cfg.max_source_length,
+                                 truncation=True)["input_ids"]
+    assert want[0] == direct and len(want[0]) == 200
+
+    again = Counting(tokenizer.tokenizer)
+    assert TokenizedSuite(suite, again, cfg).ids(task, "train") == want and again.calls == 0  # read from disk
+
+    shorter = DataConfig(**{**cfg.__dict__, "max_source_length": 6})
+    got = TokenizedSuite(suite, again, shorter).ids(task, "train")
+    assert again.calls == 1 and got[1] == want[1] and got[0] != want[0] and max(map(len, got[0])) == 6
+
+    small = DataConfig(**{**cfg.__dict__, "vocab_size": 300})
+    other = Counting(get_tokenizer("t5-tiny", small, suite, 8192))
+    got = TokenizedSuite(suite, other, cfg).ids(task, "train")
+    assert other.calls == 2 and got[0] != want[0]
+
+    for path in (tmp_path / "cache" / "tokens").glob("*.npz"):
+        path.write_bytes(path.read_bytes()[:100])  # cut short
+    damaged = Counting(tokenizer.tokenizer)
+    assert TokenizedSuite(suite, damaged, cfg).ids(task, "train") == want and damaged.calls == 2

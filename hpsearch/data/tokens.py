@@ -4,14 +4,28 @@ Training and evaluation used to tokenize every batch's texts again at every step
 (task, split) is tokenized once on first use (the same truncation as `encode_batch`, so the tensors are identical)
 and a batch is padding of stored ids.
 
+The ids are also cached on disk (`<data.cache_dir>/tokens/`, default ~/.cache/hpsearch), under a hash of the
+tokenizer (its whole serialized form), the maximum length and the texts, so the next trial of a study, each rank
+of a run and the next run read them instead of tokenizing again (RTE, MRPC, CoLA, SST-2 and CB: 81,000 training
+rows, 3-4 s to tokenize, 0.1 s to read). A file is numpy's (`allow_pickle=False`) and written atomically; a
+tokenizer that cannot be serialized (not a fast one) is not cached.
+
     tokens = TokenizedSuite(suite, tokenizer, cfg.data)
     batch = tokens.batch([(task_index, row_index), ...], "train")    # == encode_batch(the same rows)
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import uuid
+import zipfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from hpsearch.data.config import DataConfig
+
+_VERSION = "token-ids-v1"  # change when what a file holds changes, so old caches are not read
 
 
 class TokenizedSuite:
@@ -19,17 +33,34 @@ class TokenizedSuite:
         self.suite, self.tokenizer, self.cfg = suite, tokenizer, cfg
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._ids: dict[tuple[str, str], tuple[list[list[int]], list[list[int]]]] = {}
+        self.cache_dir = Path(cfg.cache_dir or "~/.cache/hpsearch").expanduser() / "tokens"
+        self._identity = identity(tokenizer)
 
     def ids(self, task: str, split: str) -> tuple[list[list[int]], list[list[int]]]:
         """(source ids, target ids) of every row of the split, in row order (eos included, truncated)."""
         key = (task, split)
         if key not in self._ids:
             rows = self.suite.split(task, split)
-            encode = lambda texts, n: self.tokenizer(texts, max_length=n, truncation=True)["input_ids"] if texts \
-                else []
-            self._ids[key] = (encode([r.source for r in rows], self.cfg.max_source_length),
-                              encode([r.target for r in rows], self.cfg.max_target_length))
+            self._ids[key] = (self._encode([r.source for r in rows], self.cfg.max_source_length),
+                              self._encode([r.target for r in rows], self.cfg.max_target_length))
         return self._ids[key]
+
+    def _encode(self, texts: list[str], max_length: int) -> list[list[int]]:
+        if not texts:
+            return []
+        encode = lambda: self.tokenizer(texts, max_length=max_length, truncation=True)["input_ids"]
+        if self._identity is None:
+            return encode()
+        digest = hashlib.sha256(f"{_VERSION}\n{max_length}\n".encode() + self._identity)
+        for text in texts:
+            digest.update(text.encode("utf-8") + b"\0")
+        path = self.cache_dir / f"{digest.hexdigest()[:32]}.npz"
+        cached = read_ids(path, len(texts))
+        if cached is not None:
+            return cached
+        ids = encode()
+        write_ids(path, ids)
+        return ids
 
     def batch(self, picks: Sequence[tuple[int, int]], split: str) -> dict:
         """The tensors `encode_batch` makes for these (task index, row index) picks."""
@@ -40,6 +71,46 @@ class TokenizedSuite:
             targets.append(tgt[i])
         return collate(sources, targets, [t for t, _ in picks], self.pad)
 
+
+def identity(tokenizer) -> bytes | None:
+    """A hash of a fast tokenizer's whole definition (vocabulary, merges, normalizer, pre- and post-processing),
+    without the truncation and padding a call leaves set on it; None for other tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    definition = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+    return hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).digest()
+
+
+def read_ids(path: Path, rows: int) -> list[list[int]] | None:
+    """The rows of ids stored at `path`, or None when there is no such file (or it is unreadable)."""
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            flat, offsets = f["ids"], f["offsets"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # none there, or a damaged one
+        return None
+    if len(offsets) != rows + 1:
+        return None
+    values, bounds = flat.tolist(), offsets.tolist()
+    return [values[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def write_ids(path: Path, ids: list[list[int]]) -> None:
+    """Store rows of ids at `path` (flat int32 ids and row offsets), atomically: safe when processes race."""
+    import numpy as np
+
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(row) for row in ids])
+    flat = np.fromiter((i for row in ids for i in row), dtype=np.int32, count=int(offsets[-1]))
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex}.tmp.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(temporary, ids=flat, offsets=offsets)
+        os.replace(temporary, path)
+    except OSError:  # a read-only or full cache directory: tokenizing again next time is all it costs
+        temporary.unlink(missing_ok=True)
 
 def collate(sources: Sequence[list[int]], targets: Sequence[list[int]], task_ids: Sequence[int], pad: int) -> dict:
     """Right-padded to the longest row: input_ids, attention_mask, labels (-100 at padding),
