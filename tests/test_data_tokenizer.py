@@ -180,7 +180,9 @@ class Counting:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, 0
-        self.pad_token_id, self.backend_tokenizer = tokenizer.pad_token_id, tokenizer.backend_tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -214,7 +216,37 @@ def test_token_ids_are_cached_on_disk_under_the_tokenizer_the_length_and_the_tex
     got = TokenizedSuite(suite, other, cfg).ids(task, "train")
     assert other.calls == 2 and got[0] != want[0]
 
-    for path in (tmp_path / "cache" / "tokens").glob("*.npz"):
-        path.write_bytes(path.read_bytes()[:100])  # cut short
+    left = Counting(tokenizer.tokenizer)
+    left.tokenizer.truncation_side = "left"  # the same definition, other ids
+    try:
+        got = TokenizedSuite(suite, left, shorter).ids(task, "train")
+    finally:
+        left.tokenizer.truncation_side = "right"
+    assert left.calls == 2 and got[0] != TokenizedSuite(suite, again, shorter).ids(task, "train")[0]
+
+    files = sorted((tmp_path / "cache" / "tokens").glob("*.npz"))
+    for k, path in enumerate(files):  # cut short, or one byte flipped at a time further in
+        data = bytearray(path.read_bytes())
+        if k % 2:
+            data[k * 7 % len(data)] ^= 0xFF
+        path.write_bytes(bytes(data if k % 2 else data[:100]))
     damaged = Counting(tokenizer.tokenizer)
-    assert TokenizedSuite(suite, damaged, cfg).ids(task, "train") == want and damaged.calls == 2
+    assert TokenizedSuite(suite, damaged, cfg).ids(task, "train") == want
+
+
+def test_damaged_token_files_read_as_absent(tmp_path):
+    """Every single-byte corruption of a stored file reads as no file (or as the very rows stored), never as an
+    error: it is a cache, and the run tokenizes again."""
+    from hpsearch.data.tokens import read_ids, write_ids
+
+    rows = [[5, 6, 7], [8], [9, 10]]
+    path = tmp_path / "ids.npz"
+    write_ids(path, rows)
+    good = path.read_bytes()
+    for position in range(0, len(good), 3):
+        for flip in (0x01, 0x80, 0xFF):
+            data = bytearray(good)
+            data[position] ^= flip
+            path.write_bytes(bytes(data))
+            assert read_ids(path, 3) in (None, rows), position
+    assert read_ids(tmp_path / "absent.npz", 3) is None

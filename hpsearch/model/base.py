@@ -89,10 +89,11 @@ class TaskContext:
         return self._rows[(key, batch)]
 
     def _pick(self, table: torch.Tensor, ids: torch.Tensor, shared: int | None, batch: int | None) -> torch.Tensor:
-        rows = self.ids(batch).numel()  # task_ids is required
+        if self.task_ids is None:
+            self.ids()  # raises: task_ids is required
         if shared is not None:
             return table.narrow(0, shared, 1)
-        return per_row(table, expand_rows(ids, rows))
+        return per_row(table, expand_rows(ids, batch if batch is not None else self.task_ids.numel()))
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,7 +179,7 @@ class MultiTaskT5(nn.Module):
         return {}
 
     def attention_prompts(self, ctx: TaskContext) -> Prompts:
-        """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv]. MTL: none."""
+        """{(side, layer): (keys, values)}, each [batch | 1, heads, l, d_kv] (`ctx.rows`). MTL: none."""
         return {}
 
     def prepare_encoder_inputs(self, ctx: TaskContext, inputs: dict) -> dict:

@@ -153,7 +153,7 @@ class HyperPromptT5(MultiTaskT5):
         return {key: tuple(self._heads(x) for x in pair) for key, pair in zip(self.layer_keys, pairs)}
 
     def attention_prompts(self, ctx: TaskContext) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
-        """Each row's prompts: {(side, layer): (keys, values)}, each [batch, heads, l, d_kv]."""
+        """Each row's prompts: {(side, layer): (keys, values)}, each [batch | 1, heads, l, d_kv]."""
         return {key: ctx.rows(key) for key in ctx.table}
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,7 @@ class PrefixT5(MultiTaskT5):
         return {key: tuple(kv.unbind(0)) for key, kv in zip(self.layer_keys, per_layer)}
 
     def attention_prompts(self, ctx: TaskContext) -> dict:
-        """Each row's prefixes: {(side, layer): (keys, values)}, each [batch, heads, l, d_kv]."""
+        """Each row's prefixes: {(side, layer): (keys, values)}, each [batch | 1, heads, l, d_kv]."""
         return {key: ctx.rows(key) for key in self.layer_keys}
 
     def prefix_formula(self) -> Formula:

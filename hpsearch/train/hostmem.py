@@ -4,9 +4,9 @@ PyTorch takes CPU tensors from malloc. glibc serves a block above its mmap thres
 32 MiB) with fresh pages from the kernel and gives them back on free, and it gives the top of the heap back once
 more than its trim threshold (twice the mmap threshold) is free there. A train step frees and allocates its
 activations and gradients again every step, so the kernel maps and zeroes them again every step: measured here,
-123,000 minor page faults per t5-small train step (batch 32 x 64 tokens) with glibc's defaults, 35,000 with these
-settings, and the step 8-10 % faster (2.33 -> 2.14 s, MTL, min of 5). GPU tensors come from the CUDA caching
-allocator and never see this, so `train.host_allocator=auto` applies it to CPU workers only.
+102,000-128,000 minor page faults per t5-small train step (batch 32 x 64 tokens) with glibc's defaults, 46,000-63,000
+with these settings; the step's minimum 2 % faster and its median 3-7 % (README, Speed). GPU tensors come from the
+CUDA caching allocator and never see this, so `train.host_allocator=auto` applies it to CPU workers only.
 
 `reuse_freed_memory()` sets, through `mallopt`:
 - M_MMAP_THRESHOLD = 32 MiB, glibc's largest on 64-bit: blocks up to it come from the heap (this also turns off
@@ -14,8 +14,9 @@ allocator and never see this, so `train.host_allocator=auto` applies it to CPU w
 - M_TRIM_THRESHOLD = 1 GiB: freed heap memory stays mapped for the next step unless a whole GiB is free at its top;
 - M_TOP_PAD = 64 MiB: the heap grows in larger pieces.
 A process's resident memory then stays near its peak between steps (and between trials in a reused Tune actor)
-instead of falling back after each one; the peak itself does not grow. Blocks above 32 MiB (the t5-small logits of
-batch 32: 33 MB) are still mapped per use. Not glibc (macOS, musl): nothing is set.
+instead of falling back after each one; the peak itself grew by 2 % in one measurement (t5-small MTL steps).
+Blocks above 32 MiB (the t5-small embedding's gradient: 63 MiB) are still mapped per use. Not glibc (macOS, musl):
+nothing is set.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import sys
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
 SETTINGS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
+GLIBC_START = {M_MMAP_THRESHOLD: 128 << 10, M_TRIM_THRESHOLD: 128 << 10, M_TOP_PAD: 128 << 10}  # its initial values
+_reusing = False  # this process's malloc was set to reuse (a reused Tune actor runs trial after trial)
 
 
 def glibc():
@@ -45,17 +48,28 @@ def resolve(host_allocator: str, use_gpu: bool) -> str:
     return host_allocator
 
 
-def reuse_freed_memory() -> bool:
-    """Set this process's malloc to keep freed memory for reuse (see the module docstring); True when it took."""
+def _mallopt(settings: dict[int, int]) -> bool:
     libc = glibc()
     if libc is None:
         return False
     libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(libc.mallopt(param, value) == 1 for param, value in SETTINGS.items())
+    return all(libc.mallopt(param, value) == 1 for param, value in settings.items())
+
+
+def reuse_freed_memory() -> bool:
+    """Set this process's malloc to keep freed memory for reuse (see the module docstring); True when it took."""
+    global _reusing
+    _reusing = _mallopt(SETTINGS) or _reusing
+    return _reusing
 
 
 def apply(host_allocator: str, use_gpu: bool) -> str:
-    """Apply `train.host_allocator` in this process; returns what it did: "reuse", "system" or "unavailable"."""
+    """Apply `train.host_allocator` in this process; returns what it did: "reuse", "system" or "unavailable".
+    "system" after "reuse" in the same process (a reused Tune actor) puts glibc's initial values back; its dynamic
+    threshold, which any explicit setting turns off, stays off."""
+    global _reusing
     if resolve(host_allocator, use_gpu) == "system":
+        if _reusing:
+            _reusing = not _mallopt(GLIBC_START)
         return "system"
     return "reuse" if reuse_freed_memory() else "unavailable"
