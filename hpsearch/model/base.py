@@ -234,14 +234,14 @@ class MultiTaskT5(nn.Module):
         if task_ids.numel() and (task_ids.min() < 0 or task_ids.max() >= len(self.tasks)):
             raise ValueError(f"task_ids must lie in [0, {len(self.tasks)}); got {task_ids.tolist()}")
         device = next(self.t5.parameters()).device
+        present, table_ids = torch.unique(task_ids, sorted=True, return_inverse=True)
+        shared = int(present[0]) if present.numel() == 1 else None  # a one-task batch
         if self._frozen is not None:
-            one = task_ids.numel() > 0 and bool((task_ids == task_ids[0]).all())
-            return TaskContext(_to(task_ids, device), self._frozen, shared=int(task_ids[0]) if one else None)
+            return TaskContext(_to(task_ids, device), self._frozen, shared=shared)
         # the generators run for the tasks the batch holds only: every rank still calls the same modules (ZeRO-3),
         # with fewer rows
-        present, table_ids = torch.unique(task_ids, sorted=True, return_inverse=True)
         return TaskContext(_to(task_ids, device), self.generate_task_tensors(device, _to(present, device)),
-                           _to(table_ids, device), shared=int(present[0]) if present.numel() == 1 else None)
+                           _to(table_ids, device), shared=shared)
 
     def hyper_prompts(self, task_ids, batch_size: int | None = None) -> Prompts:
         """{(side, layer): (keys, values)}, each [batch, heads, l, d_kv] ([1, ...] when every row has the same task:
