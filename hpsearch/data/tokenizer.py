@@ -12,11 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from hpsearch.data._util import one_line
+from hpsearch.data._util import cache_path, one_line, temporary_beside
 from hpsearch.data.config import DataConfig
 from hpsearch.data.spec import Example
 from hpsearch.errors import ConfigError, DataError
@@ -38,8 +37,7 @@ def get_tokenizer(backbone: str, cfg: DataConfig, suite, vocab_size: int):
     if size < 3 + 256:
         raise ConfigError(f"model vocab_size {vocab_size} is too small for the byte-level tokenizer; "
                           "expected >= 259")
-    cache_dir = Path(cfg.cache_dir or "~/.cache/hpsearch").expanduser() / "tokenizers"
-    return train_tokenizer(list(_corpus(suite)), size, cache_dir)
+    return train_tokenizer(list(_corpus(suite)), size, cache_path(cfg.cache_dir, "tokenizers"))
 
 
 def _checkpoint_tokenizer(backbone: str, vocab_size: int):
@@ -86,7 +84,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path):
         tokenizer.post_processor = processors.TemplateProcessing(
             single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
         cache_dir.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        temporary = temporary_beside(path)
         tokenizer.save(str(temporary))
         os.replace(temporary, path)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",

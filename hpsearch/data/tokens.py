@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from hpsearch.data._util import cache_path, temporary_beside
 from hpsearch.data.config import DataConfig
 
 _VERSION = "token-ids-v1"  # change when what a file holds changes, so old caches are not read
@@ -33,7 +33,7 @@ class TokenizedSuite:
         self.suite, self.tokenizer, self.cfg = suite, tokenizer, cfg
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._ids: dict[tuple[str, str], tuple[list[list[int]], list[list[int]]]] = {}
-        self.cache_dir = Path(cfg.cache_dir or "~/.cache/hpsearch").expanduser() / "tokens"
+        self.cache_dir = cache_path(cfg.cache_dir, "tokens")
         self._identity = identity(tokenizer)
 
     def ids(self, task: str, split: str) -> tuple[list[list[int]], list[list[int]]]:
@@ -97,9 +97,7 @@ def read_ids(path: Path, rows: int) -> list[list[int]] | None:
     try:
         with np.load(path, allow_pickle=False) as f:
             flat, offsets = f["ids"], f["offsets"]
-    except FileNotFoundError:
-        return None
-    except Exception:  # a damaged file (zipfile and numpy raise many kinds): it is only a cache, tokenize again
+    except Exception:  # none there, or a damaged one (zipfile and numpy raise many kinds): tokenize again
         return None
     if len(offsets) != rows + 1:
         return None
@@ -114,7 +112,7 @@ def write_ids(path: Path, ids: list[list[int]]) -> None:
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(row) for row in ids])
     flat = np.fromiter((i for row in ids for i in row), dtype=np.int32, count=int(offsets[-1]))
-    temporary = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex}.tmp.npz")
+    temporary = temporary_beside(path, ".npz")  # numpy appends .npz to a name without it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(temporary, ids=flat, offsets=offsets)
