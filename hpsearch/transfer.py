@@ -94,7 +94,7 @@ def evaluate(model, examples, task_id: int, tokenizer, data_cfg, task: str, batc
 def tune(model, batch: dict, steps: int, lr: float) -> list[float]:
     model.t5.requires_grad_(False)
     params = [p for n, p in model.named_parameters() if not n.startswith("t5.")]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     model.train()
     losses = []
     for _ in range(steps):

@@ -97,12 +97,15 @@ def optimizer_and_schedule(model, cfg: RunConfig):
     engine steps. AdamW moves every weight by about lr per step whatever its size; Adafactor (torch's, as in T5:
     factored second moments, no momentum, update clipping at 1) moves each by lr x max(1e-3, RMS(weight)), so T5's
     embeddings (std 1) and its query projections (std (d_model x d_kv)^-0.5) each move by the same share of
-    themselves. Its lr is that share (T5: 1e-2); the schedule scales it like AdamW's."""
+    themselves. Its lr is that share (T5: 1e-2); the schedule scales it like AdamW's. AdamW is torch's fused
+    implementation; DeepSpeed's ZeRO steps it over its flat partitions the same way."""
     import torch
 
     groups = optimizer_groups(model, cfg)
     if cfg.train.optimizer == "adafactor":
         optimizer = torch.optim.Adafactor(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        # fused: one kernel over every tensor (CPU and CUDA). The default on CPU is a Python loop of about ten
+        # ops per tensor, 209 ms of a 2.1 s t5-small step here against 45 ms fused (README, Speed)
+        optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
