@@ -35,28 +35,32 @@ def normal_linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
     return layer
 
 
-def row_bottleneck(y: torch.Tensor, down_w, down_b, up_w, up_b) -> torch.Tensor:
-    """U(ReLU(D y + c)) + u with one adapter per row: y [B, n, d], down_w [B, b, d], down_b [B, b],
+def row_bottleneck(y: torch.Tensor, down_w, down_b, up_w, up_b, scale: float = 1.0) -> torch.Tensor:
+    """s * (U(ReLU(D y + c)) + u) with one adapter per row: y [B, n, d], down_w [B, b, d], down_b [B, b],
     up_w [B, d, b], up_b [B, d] (weights laid out [out, in] as in nn.Linear), or one adapter for every row
-    (leading dimension 1)."""
+    (leading dimension 1). The scale s multiplies U and u (d x (b + 1) numbers), not the output (every token's)."""
+    if scale != 1:
+        up_w, up_b = up_w * scale, up_b * scale
     return row_linear(F.relu(row_linear(y, down_w, down_b)), up_w, up_b)
 
 
 class TaskAdapter(nn.Module):
-    """The adapters of one sublayer, one per task: y -> y + U_tau(ReLU(D_tau y)) for each row's task tau."""
+    """The adapters of one sublayer, one per task: y -> s * (U_tau(ReLU(D_tau y + c_tau)) + u_tau) for each row's
+    task tau."""
 
-    def __init__(self, num_tasks: int, d_model: int, bottleneck: int, std: float = 1e-2):
+    def __init__(self, num_tasks: int, d_model: int, bottleneck: int, scale: float = 1.0, std: float = 1e-2):
         super().__init__()
+        self.scale = scale
         self.down_weight = nn.Parameter(torch.randn(num_tasks, bottleneck, d_model) * std)
         self.down_bias = nn.Parameter(torch.zeros(num_tasks, bottleneck))
         self.up_weight = nn.Parameter(torch.randn(num_tasks, d_model, bottleneck) * std)
         self.up_bias = nn.Parameter(torch.zeros(num_tasks, d_model))
 
     def forward(self, x: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
-        """U_tau(ReLU(D_tau x + c_tau)) + u_tau for each row's task (the residual is the caller's)."""
+        """s * (U_tau(ReLU(D_tau x + c_tau)) + u_tau) for each row's task (the residual is the caller's)."""
         weights = (ctx.select(w, x.shape[0]).to(x.dtype) for w in (self.down_weight, self.down_bias,
                                                                    self.up_weight, self.up_bias))
-        return row_bottleneck(x, *weights)
+        return row_bottleneck(x, *weights, scale=self.scale)
 
 
 def adapted_sites(t5, adapter_sites: str) -> list[Site]:
@@ -74,20 +78,21 @@ class AdapterT5(MultiTaskT5):
     def __init__(self, t5, tasks, cfg):
         super().__init__(t5, tasks, cfg)
         self.sites = adapted_sites(t5, cfg.adapter_sites)
-        self.adapters = nn.ModuleDict({site_name(s): TaskAdapter(len(self.tasks), t5.config.d_model, cfg.bottleneck)
+        self.adapters = nn.ModuleDict({site_name(s): TaskAdapter(len(self.tasks), t5.config.d_model, cfg.bottleneck,
+                                                                         cfg.adapter_scale)
                                        for s in self.sites})
 
     def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         name = site_name(site)
         if self.cfg.adapter_insertion != "parallel" or name not in self.adapters:
             return None
-        return self.cfg.adapter_scale * self.adapters[name](x, ctx)
+        return self.adapters[name](x, ctx)
 
     def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
         name = site_name(site)
         if self.cfg.adapter_insertion != "sequential" or name not in self.adapters:
             return output
-        return output + self.cfg.adapter_scale * self.adapters[name](output, ctx)
+        return output + self.adapters[name](output, ctx)
 
     def parameter_formula(self) -> Formula:
         d, b, T, S = self.t5.config.d_model, self.cfg.bottleneck, len(self.tasks), len(self.sites)

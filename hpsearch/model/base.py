@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hpsearch.model.attention import SIDES, attach, expand_rows, self_attention_modules, use_prompted_attention
@@ -98,9 +99,13 @@ class TaskContext:
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, n, in] through a linear map per row, `weight` [B, out, in] and `bias` [B, out] (nn.Linear's layout),
-    or one map for every row ([1, ...], `TaskContext.select`'s shared row): then a single matrix product."""
-    y = x @ weight[0].T if weight.shape[0] == 1 else x @ weight.transpose(1, 2)
-    return y if bias is None else y + bias[:, None]
+    or one map for every row ([1, ...], `TaskContext.select`'s shared row): then a single matrix product. The bias
+    is added inside the product (addmm / baddbmm), not by a second pass over the [B, n, out] output."""
+    if weight.shape[0] == 1:
+        return F.linear(x, weight[0], None if bias is None else bias[0])
+    if bias is None:
+        return x @ weight.transpose(1, 2)
+    return torch.baddbmm(bias[:, None], x, weight.transpose(1, 2))
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -106,8 +106,9 @@ class HyperFormerT5(MultiTaskT5):
     def adapt_sublayer(self, ctx: TaskContext, site: Site, output: torch.Tensor) -> torch.Tensor:
         down_w, down_b, up_w, up_b, gamma, beta = (w.to(output.dtype) for w in ctx.rows(site, output.shape[0]))
         z = row_bottleneck(output, down_w, down_b, up_w, up_b)
-        z = F.layer_norm(z, z.shape[-1:], eps=LN_EPS) * gamma[:, None] + beta[:, None]
-        return output + z
+        if gamma.shape[0] == 1:  # one task's (the shared row): layer norm's own affine, no second pass
+            return output + F.layer_norm(z, z.shape[-1:], gamma[0], beta[0], eps=LN_EPS)
+        return output + F.layer_norm(z, z.shape[-1:], eps=LN_EPS) * gamma[:, None] + beta[:, None]
 
     def parameter_formula(self) -> Formula:
         c, cfg = self.t5.config, self.cfg

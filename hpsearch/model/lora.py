@@ -46,7 +46,8 @@ class TaskLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         h = row_linear(self.dropout(x), ctx.select(self.A, x.shape[0]).to(x.dtype))
-        return row_linear(h, ctx.select(self.B, x.shape[0]).to(x.dtype)) * self.scaling
+        # the scaling multiplies B (d_out x r numbers), not the output (every token's)
+        return row_linear(h, ctx.select(self.B, x.shape[0]).to(x.dtype) * self.scaling)
 
 
 def site_name(site: Site) -> str:

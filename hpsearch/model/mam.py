@@ -41,7 +41,7 @@ class ParallelAdapter(nn.Module):
     def forward(self, x: torch.Tensor, ctx: TaskContext) -> torch.Tensor:
         weights = (ctx.select(w, x.shape[0]).to(x.dtype) for w in (self.down_weight, self.down_bias,
                                                                    self.up_weight, self.up_bias))
-        return self.scale * row_bottleneck(x, *weights)
+        return row_bottleneck(x, *weights, scale=self.scale)
 
 
 class MAMT5(PrefixT5):
