@@ -250,3 +250,52 @@ def test_damaged_token_files_read_as_absent(tmp_path):
             path.write_bytes(bytes(data))
             assert read_ids(path, 3) in (None, rows), position
     assert read_ids(tmp_path / "absent.npz", 3) is None
+
+
+def test_the_token_cache_keeps_the_most_recently_used_files_within_its_budget(tmp_path):
+    """`prune`: least recently used (a read marks a file used) files go first until the folder fits the budget;
+    the file just written stays even alone over it; a killed writer's temporary file goes after an hour, a live
+    one's stays. Through TokenizedSuite: a budget of one file keeps only the latest, and 0 writes nothing."""
+    import os
+    import time
+
+    from hpsearch.data.tokens import STALE_TEMPORARY_S, TokenizedSuite, prune, read_ids, write_ids
+
+    folder = tmp_path / "tokens"
+    rows = [[5, 6, 7, 8] * 50] * 20
+    paths = [folder / f"{name}.npz" for name in "abcd"]
+    now = time.time()
+    for k, path in enumerate(paths[:3]):
+        assert write_ids(path, rows)
+        os.utime(path, (now - 100 + k, now - 100 + k))  # written a, b, c in that order
+    size = paths[0].stat().st_size
+    assert read_ids(paths[0], len(rows)) == rows  # a used now: b is the least recently used
+    stale, live = folder / ".x.npz.1.ab.tmp.npz", folder / ".y.npz.2.cd.tmp.npz"
+    for path, age in ((stale, STALE_TEMPORARY_S + 60), (live, 5)):
+        path.write_bytes(b"partial")
+        os.utime(path, (now - age, now - age))
+    assert write_ids(paths[3], rows)
+    prune(folder, 3 * size, keep=paths[3])
+    assert sorted(p.name for p in folder.iterdir()) == [".y.npz.2.cd.tmp.npz", "a.npz", "c.npz", "d.npz"]
+    prune(folder, 0, keep=paths[3])  # over budget alone: the file just written stays
+    assert sorted(p.name for p in folder.iterdir()) == [".y.npz.2.cd.tmp.npz", "d.npz"]
+
+    cfg = DataConfig(max_train_rows=50, max_eval_rows=20, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(cfg)
+    tokenizer = get_tokenizer("t5-tiny", cfg, suite, 8192)
+    one = DataConfig(**{**cfg.__dict__, "token_cache_mb": 1e-6})  # under any file's size: the latest alone stays
+    tokens = TokenizedSuite(suite, tokenizer, one)
+    for task in suite.tasks[:2]:
+        tokens.ids(task, "train")
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 1
+    off = DataConfig(**{**cfg.__dict__, "token_cache_mb": 0, "cache_dir": str(tmp_path / "off")})
+    TokenizedSuite(suite, Counting(tokenizer), off).ids(suite.tasks[0], "train")
+    assert not (tmp_path / "off" / "tokens").exists()
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), "big", True])
+def test_a_bad_token_cache_budget_is_named(value):
+    from hpsearch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.token_cache_mb: .*; expected a number of megabytes >= 0"):
+        DataConfig(token_cache_mb=value).validate()

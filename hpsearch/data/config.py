@@ -37,6 +37,7 @@ class DataConfig:
     max_eval_rows: int | None = None   # cap per task for validation and for test
     vocab_size: int = 8192             # trained tokenizer size (capped by the model's vocab size)
     cache_dir: str | None = None       # tokenizer and datasets caches; default ~/.cache/hpsearch
+    token_cache_mb: float = 2048.0     # token ids kept in <cache_dir>/tokens: least recently used beyond it go; 0: off
 
     def validate(self) -> None:
         from hpsearch.data.tasks import GLUE_TASKS, SYNTHETIC_TASKS, get_task
@@ -74,6 +75,9 @@ class DataConfig:
             if getattr(self, name) is not None:
                 _at_least(self, name, 1)
         _at_least(self, "vocab_size", _MIN_VOCAB)
+        size = self.token_cache_mb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 <= size < float("inf"):
+            _fail("token_cache_mb", f"{size!r}", "a number of megabytes >= 0 (0: no token-id cache on disk)")
 
 
 def _fail(name: str, problem: str, expected: str) -> None:

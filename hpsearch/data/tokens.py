@@ -9,7 +9,9 @@ tokenizer (its whole serialized form, class, truncation side and library version
 texts, so the next trial of a study, each rank of a run and the next run read them instead of tokenizing again
 (RTE, MRPC, CoLA, SST-2 and CB: 81,000 training rows, 5.2 s to tokenize, 0.6 s to read, hashing included). A file
 is numpy's (`allow_pickle=False`), written atomically; a damaged one is tokenized again, and a tokenizer that
-cannot be serialized (not a fast one) is not cached.
+cannot be serialized (not a fast one) is not cached. The folder is kept under `data.token_cache_mb` (default
+2 GiB; 0: no disk cache): after each write the least recently used files beyond it are removed (a read marks a
+file used), and so are temporary files a killed writer left (older than an hour).
 
     tokens = TokenizedSuite(suite, tokenizer, cfg.data)
     batch = tokens.batch([(task_index, row_index), ...], "train")    # == encode_batch(the same rows)
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from hpsearch.data._util import cache_path, temporary_beside
 from hpsearch.data.config import DataConfig
 
 _VERSION = "token-ids-v1"  # change when what a file holds changes, so old caches are not read
+STALE_TEMPORARY_S = 3600  # a writer's temporary file older than this was left by a killed process
 
 
 class TokenizedSuite:
@@ -34,7 +38,8 @@ class TokenizedSuite:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._ids: dict[tuple[str, str], tuple[list[list[int]], list[list[int]]]] = {}
         self.cache_dir = cache_path(cfg.cache_dir, "tokens")
-        self._identity = identity(tokenizer)
+        self._budget = int(cfg.token_cache_mb * 2**20)
+        self._identity = identity(tokenizer) if self._budget > 0 else None
 
     def ids(self, task: str, split: str) -> tuple[list[list[int]], list[list[int]]]:
         """(source ids, target ids) of every row of the split, in row order (eos included, truncated)."""
@@ -60,7 +65,8 @@ class TokenizedSuite:
         if cached is not None:
             return cached
         ids = encode()
-        write_ids(path, ids)
+        if write_ids(path, ids):
+            prune(self.cache_dir, self._budget, keep=path)
         return ids
 
     def batch(self, picks: Sequence[tuple[int, int]], split: str) -> dict:
@@ -101,12 +107,17 @@ def read_ids(path: Path, rows: int) -> list[list[int]] | None:
         return None
     if len(offsets) != rows + 1:
         return None
+    try:
+        os.utime(path)  # used now: `prune` removes the least recently used first
+    except OSError:
+        pass
     values, bounds = flat.tolist(), offsets.tolist()
     return [values[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def write_ids(path: Path, ids: list[list[int]]) -> None:
-    """Store rows of ids at `path` (flat int32 ids and row offsets), atomically: safe when processes race."""
+def write_ids(path: Path, ids: list[list[int]]) -> bool:
+    """Store rows of ids at `path` (flat int32 ids and row offsets), atomically: safe when processes race. False
+    when the folder cannot take it."""
     import numpy as np
 
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
@@ -117,8 +128,44 @@ def write_ids(path: Path, ids: list[list[int]]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(temporary, ids=flat, offsets=offsets)
         os.replace(temporary, path)
+        return True
     except OSError:  # a read-only or full cache directory: tokenizing again next time is all it costs
         temporary.unlink(missing_ok=True)
+        return False
+
+
+def prune(folder: Path, max_bytes: int, keep: Path) -> None:
+    """Remove the least recently used (oldest modification time) id files until the folder's files take at most
+    `max_bytes`, never `keep` (the file just written), and writers' temporary files older than STALE_TEMPORARY_S.
+    Processes pruning at once, or a reader losing a file it was about to open, only cost tokenizing again."""
+    now, files = time.time(), []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            stat = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if entry.name.startswith(".") and ".tmp" in entry.name:
+            if now - stat.st_mtime > STALE_TEMPORARY_S:
+                Path(entry.path).unlink(missing_ok=True)
+        elif entry.name.endswith(".npz") and entry.is_file(follow_symlinks=False):
+            files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+    total = sum(size for _, size, _ in files)
+    for _, size, path in sorted(files, key=lambda f: f[0]):  # least recently used first
+        if total <= max_bytes:
+            break
+        if path == keep:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:  # another process pruned it
+            pass
+        except OSError:
+            continue
+        total -= size
 
 def collate(sources: Sequence[list[int]], targets: Sequence[list[int]], task_ids: Sequence[int], pad: int) -> dict:
     """Right-padded to the longest row: input_ids, attention_mask, labels (-100 at padding),
