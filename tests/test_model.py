@@ -205,6 +205,20 @@ def test_cached_generate_equals_uncached(variant, placement, batch):
                      decoder_input_ids=cached.sequences[:, :-1], task_ids=batch["task_ids"]).logits
     steps = torch.stack(cached.scores, 1)
     assert (steps - full).abs().max() <= 1e-4
+    # the decoder's prompts sit in the cache, in front of the tokens, instead of being copied in at every step
+    from hpsearch.model.attention import PromptCacheLayer
+
+    layers = cached.past_key_values.self_attention_cache.layers
+    prompted = placement in ("both", "decoder")
+    assert all(isinstance(layer, PromptCacheLayer) == prompted for layer in layers)
+    model.freeze_task_params()
+    for i, layer in enumerate(layers if prompted else []):
+        with model._using(model.task_context(batch["task_ids"], batch["task_ids"].shape[0])):
+            pk, pv = model.t5.decoder.block[i].layer[0].SelfAttention.hp_prompt
+        l = pk.shape[2]
+        assert layer.get_seq_length() == cached.sequences.shape[1] - 1 == layer.keys.shape[2] - l
+        assert torch.allclose(layer.keys[:, :, :l], pk.expand(layer.keys.shape[0], -1, -1, -1), atol=1e-6)
+        assert torch.allclose(layer.values[:, :, :l], pv.expand(layer.values.shape[0], -1, -1, -1), atol=1e-6)
 
 
 

@@ -6,9 +6,12 @@ prompts (`module.hp_prompt = (keys, values)`, each [batch | 1, heads, l, d_kv]) 
     softmax(Q [P_k; K]^T + [0 | position_bias] + [0 | mask]) [P_v; V]        (T5: no 1/sqrt(d) scaling)
 
 Prompt columns get zero relative-position bias and are never masked; padding and the causal mask still apply
-to the real tokens. The KV cache is updated before this function runs, so the cache never holds prompts and
-cached decoding adds them exactly once per step. Modules without prompts (cross-attention, unprompted sides)
-compute plain T5 attention, so an unprompted model equals stock T5.
+to the real tokens. The KV cache is updated before this function runs. In a forward without a cache the prompts
+are concatenated in front of the keys and values here. Generation gets a cache (`prompt_cache`) whose prompted
+decoder layers hold their prompts in front of the cached tokens from the first step on, so a decoding step
+appends its token once instead of copying the prompts and every cached token again; the cache counts tokens only,
+so generation's positions, masks and T5's relative-position bias stay the tokens'. Modules without prompts
+(cross-attention, unprompted sides) compute plain T5 attention, so an unprompted model equals stock T5.
 
 A mask function is registered under the same name: without it transformers hands a custom attention
 function no padding mask at all.
@@ -20,6 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ATTN_NAME = "hyperprompt"
@@ -86,8 +90,11 @@ def prompted_attention(module, query, key, value, attention_mask, scaling=1.0, d
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
     prompt = getattr(module, "hp_prompt", None)
-    n_prompt = 0
-    if prompt is not None and prompt[0].shape[2] > 0:
+    n_prompt = getattr(module, "hp_prompts_in_cache", 0)  # set by this call's cache update (PromptCacheLayer)
+    if n_prompt:
+        module.hp_prompts_in_cache = 0
+        k_len -= n_prompt  # the keys already start with the prompts
+    elif prompt is not None and prompt[0].shape[2] > 0:
         pk, pv = (expand_rows(p.to(key.dtype), batch) for p in prompt)
         n_prompt = pk.shape[2]
         key = torch.cat([pk, key], dim=2)
@@ -103,6 +110,52 @@ def prompted_attention(module, query, key, value, attention_mask, scaling=1.0, d
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
                                              dropout_p=dropout if module.training else 0.0, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+class PromptCacheLayer(DynamicLayer):
+    """A prompted decoder self-attention's KV cache: the layer's prompts ([batch | 1, heads, l, d_kv], following
+    beam search's rows) go in front at the first update, then each step appends its tokens. `get_seq_length` (and
+    so generation's cache positions, the causal mask and T5's relative positions) counts the tokens only; each
+    update tells its module that the keys it returns start with the l prompt columns."""
+
+    def __init__(self, module, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.module, self.prompt, self.n_prompt = module, (keys, values), keys.shape[2]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.get_seq_length() == 0:
+            self.lazy_initialization(key_states, value_states)
+            pk, pv = (expand_rows(p.to(key_states.dtype), key_states.shape[0]) for p in self.prompt)
+            self.keys, self.values = torch.cat([pk, key_states], dim=2), torch.cat([pv, value_states], dim=2)
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=2)
+            self.values = torch.cat([self.values, value_states], dim=2)
+        self.module.hp_prompts_in_cache = self.n_prompt
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized or self.keys.numel() == 0:
+            return 0
+        return self.keys.shape[2] - self.n_prompt
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and -tokens_to_remove >= self.get_seq_length():
+            self.reset()  # every token: the next update puts the prompts in front again
+        else:
+            super().crop(tokens_to_remove)
+
+
+def prompt_cache(t5) -> EncoderDecoderCache | None:
+    """A generation cache whose prompted decoder self-attentions (their attached `hp_prompt`) hold the prompts
+    (`PromptCacheLayer`); None when no decoder self-attention has prompts."""
+    modules = [block.layer[0].SelfAttention for block in t5.decoder.block]
+    prompts = [getattr(m, "hp_prompt", None) for m in modules]
+    if not any(p is not None and p[0].shape[2] > 0 for p in prompts):
+        return None
+    self_attention = DynamicCache()
+    self_attention.layers = [PromptCacheLayer(m, *p) if p is not None and p[0].shape[2] > 0 else DynamicLayer()
+                             for m, p in zip(modules, prompts)]
+    return EncoderDecoderCache(self_attention, DynamicCache())
 
 
 AttentionInterface.register(ATTN_NAME, prompted_attention)
@@ -138,3 +191,4 @@ def attach(t5, prompts: dict | None = None, recorders: dict | None = None):
             module.hp_prompt = None
             module.hp_recorder = None
             module.hp_bias_cache = None
+            module.hp_prompts_in_cache = 0

@@ -36,7 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpsearch.model.attention import SIDES, attach, expand_rows, self_attention_modules, use_prompted_attention
+from hpsearch.model.attention import (
+    SIDES,
+    attach,
+    expand_rows,
+    prompt_cache,
+    self_attention_modules,
+    use_prompted_attention,
+)
 
 Prompts = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
 Site = tuple[str, int, str]
@@ -334,6 +341,10 @@ class MultiTaskT5(nn.Module):
         with self._using(ctx):
             inputs = self._encoder_inputs(ctx, input_ids, attention_mask, generation_kwargs)
             inputs = {k: v for k, v in inputs.items() if v is not None}
+            if generation_kwargs.get("use_cache", True) and generation_kwargs.get("past_key_values") is None:
+                cache = prompt_cache(self.t5)  # decoder prompts held in the cache, not copied in each step
+                if cache is not None:
+                    generation_kwargs = {**generation_kwargs, "past_key_values": cache}
             return self.t5.generate(**inputs, **generation_kwargs)
 
     # ---- analysis -------------------------------------------------------------------------------------------
