@@ -15,11 +15,11 @@ CUDA caching allocator and never see this, so `train.host_allocator=auto` applie
 - M_TOP_PAD = 64 MiB: the heap grows in larger pieces;
 - M_MMAP_MAX = 0: no block gets a mapping of its own, so also those above 32 MiB come from the heap (the t5-small
   embedding's gradient, 63 MiB, is zero-filled twice per step: 220 ms of a 2.0 s step in fresh pages; MTL step
-  median 2.10-2.25 s -> 1.99-2.01 s, in the main thread and in a worker thread as Ray Train runs the loop). When
+  median 2.10-2.32 s -> 1.96-2.01 s, in the main thread and in a worker thread as Ray Train runs the loop). When
   the heap cannot grow (or a thread's heap cannot hold a block), glibc still maps the block.
 A process's resident memory then stays near its peak between steps (and between trials in a reused Tune actor)
-instead of falling back after each one; the peak itself grew by 2-3 % in measurements (t5-small MTL steps). Not
-glibc (macOS, musl): nothing is set.
+instead of falling back after each one; the peak itself grew by 2 % in one measurement and 0.5-1.3 % in four
+more (t5-small MTL steps). Not glibc (macOS, musl): nothing is set.
 """
 from __future__ import annotations
 
