@@ -221,6 +221,36 @@ def test_cached_generate_equals_uncached(variant, placement, batch):
         assert torch.allclose(layer.values[:, :, :l], pv.expand(layer.values.shape[0], -1, -1, -1), atol=1e-6)
 
 
+def test_generate_takes_the_callers_cache_choice(batch):
+    """The prompt-holding cache stands in for the default cache only: caching switched off in the model's generation
+    config (a cache handed in would then be fed the whole prefix each step) and another cache implementation asked
+    for both decode as uncached generation does, and leave no prompt cache behind."""
+    from transformers import GenerationConfig
+
+    from hpsearch.model.attention import PromptCacheLayer
+
+    model = hp(variant="global", placement="both", seed=3, config=tiny_config(d_model=64, d_kv=16))
+    overfit(model, batch)
+    args = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1, eos_token_id=None,
+                return_dict_in_generate=True)
+    ids, mask, tasks = batch["input_ids"], batch["attention_mask"], batch["task_ids"]
+    with torch.no_grad():
+        expected = model.generate(ids, mask, task_ids=tasks, use_cache=False, **args).sequences
+        assert len(set(expected[:, 1:].flatten().tolist())) > 2  # a real decode, not one token repeated
+        off = GenerationConfig(**{**model.t5.generation_config.to_dict(), "use_cache": False})
+        out = model.generate(ids, mask, task_ids=tasks, generation_config=off, **args)
+        assert torch.equal(out.sequences, expected) and out.past_key_values is None
+        default = model.t5.generation_config.use_cache
+        model.t5.generation_config.use_cache = False
+        try:
+            out = model.generate(ids, mask, task_ids=tasks, **args)
+        finally:
+            model.t5.generation_config.use_cache = default
+        assert torch.equal(out.sequences, expected) and out.past_key_values is None
+        out = model.generate(ids, mask, task_ids=tasks, cache_implementation="static", **args)
+        assert torch.equal(out.sequences, expected)
+        assert not any(isinstance(layer, PromptCacheLayer) for layer in out.past_key_values.self_attention_cache.layers)
+
 
 
 def test_beam_search_with_mixed_tasks_equals_per_task(batch):

@@ -341,11 +341,21 @@ class MultiTaskT5(nn.Module):
         with self._using(ctx):
             inputs = self._encoder_inputs(ctx, input_ids, attention_mask, generation_kwargs)
             inputs = {k: v for k, v in inputs.items() if v is not None}
-            if generation_kwargs.get("use_cache", True) and generation_kwargs.get("past_key_values") is None:
+            if self._default_cache(generation_kwargs):
                 cache = prompt_cache(self.t5)  # decoder prompts held in the cache, not copied in each step
                 if cache is not None:
                     generation_kwargs = {**generation_kwargs, "past_key_values": cache}
             return self.t5.generate(**inputs, **generation_kwargs)
+
+    def _default_cache(self, generation_kwargs: dict) -> bool:
+        """True when this generate call would cache with transformers' default (dynamic) cache: caching on (the
+        keyword, else the call's or the model's generation config), no cache passed in, no other cache asked for
+        (`cache_implementation`). Only then does the prompt-holding cache stand in for it: a cache handed to
+        `generate` is used even with `use_cache=False`, which would feed the whole prefix into it at every step."""
+        config = generation_kwargs.get("generation_config") or self.t5.generation_config
+        use_cache = generation_kwargs.get("use_cache", getattr(config, "use_cache", None))
+        implementation = generation_kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
+        return use_cache is not False and implementation is None and generation_kwargs.get("past_key_values") is None
 
     # ---- analysis -------------------------------------------------------------------------------------------
     @torch.no_grad()
