@@ -86,6 +86,7 @@ def test_checkpoint_group_tiny_shape():
                             "checkpoint/export_size"}, out["errors"]
     # the best weights: weights only (one version, at most the model's weight bytes), never copied into checkpoints
     assert 0 < figures["checkpoint/best_size"]["value"] <= 1.0 and figures["checkpoint/best_copied"]["value"] == 0
+    assert figures["checkpoint/export_size"]["value"] == 1.0  # each tensor once, T5's tied embeddings too
     parts = figures["checkpoint/written_per_eval"]["parts"]
     assert parts["evaluations"] == 2 and 1 <= parts["best_improved"] <= 2 and parts["weights_bytes"] > 0
     assert figures["checkpoint/written_per_eval"]["value"] == pytest.approx(

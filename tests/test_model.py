@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from t5_testing import logits, overfit, stock_copy, tiny_config
 
 from hpsearch.errors import ConfigError
@@ -414,6 +416,48 @@ def test_full_export_round_trip(tmp_path, batch):
     saved = load_file(str(tmp_path / "task" / "task_params.safetensors"))
     assert sum(t.numel() for t in saved.values()) == model.extra_parameters()["total"]
     assert not any(k.startswith("t5.") for k in saved)
+
+
+TIED = {"t5.encoder.embed_tokens.weight", "t5.decoder.embed_tokens.weight", "t5.lm_head.weight"}
+
+
+def test_full_export_writes_tied_weights_once(tmp_path, batch):
+    """T5's token embeddings are one tensor under four names (transformers ties `lm_head` to `shared` for every
+    T5, v1.1 too): written once, under the first, with the others named in the file's metadata; loading puts them
+    back."""
+    from hpsearch.model import save_export
+    model = hp()
+    save_export(model, tmp_path / "full")
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as f:
+        names, aliases = set(f.keys()), json.loads(f.metadata()["hpsearch_tied"])
+        stored = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in names)
+    assert aliases == {name: "t5.shared.weight" for name in TIED}
+    assert names == set(model.state_dict()) - TIED
+    unique = {p.data_ptr(): p.numel() for p in [*model.parameters(), *model.buffers()]}
+    assert stored == sum(unique.values())  # each tensor's numbers once
+    again = build_model(str(tmp_path / "full")).eval()
+    assert torch.equal(again.t5.lm_head.weight, model.t5.lm_head.weight)
+    assert again.t5.lm_head.weight is again.t5.shared.weight
+    assert torch.equal(logits(again, batch), logits(model, batch))
+
+
+def test_export_of_parameters_in_one_flat_buffer(tmp_path, batch):
+    """DeepSpeed's ZeRO-1/2 make every parameter a view of one flat buffer: none of them is taken for a tied
+    weight (each is written), and the export loads back to the same model."""
+    from hpsearch.model import save_export
+    model = hp()
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    save_export(model, tmp_path / "full")
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as f:
+        assert set(json.loads(f.metadata()["hpsearch_tied"])) == TIED
+        assert set(f.keys()) == set(model.state_dict()) - TIED
+    again = build_model(str(tmp_path / "full")).eval()
+    assert torch.equal(logits(again, batch), logits(model, batch))
 
 
 # ---- the generators against the paper's equations, from the raw parameters ------------------------------------------

@@ -183,7 +183,7 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
             weights = _weights_bytes(overrides)
         except Exception as e:
             return [], {"checkpoint": f"cannot count the model's weights: {type(e).__name__}: {e}"[:400]}
-        export = _bytes(out / "model", lambda rel: rel.suffix == ".safetensors")
+        export = sum(_tensor_bytes(f) for f in (out / "model").glob("*.safetensors"))  # tensor data, as best's
         finals = _bytes(out, lambda rel: rel.parts[0] not in ("checkpoints", "best"))  # export, metrics, config
         versions = sorted((out / "checkpoints" / "best").glob("*.safetensors"))  # the best weights kept
         best = max((_tensor_bytes(v) for v in versions), default=0)

@@ -3,6 +3,11 @@
 A full export is a directory with `hpsearch_model.json` (the model config, the tasks, the T5 config) and
 `model.safetensors`; `build_model(<that directory>)` rebuilds and loads it. The task-parameter export holds
 only the parameters the method adds (`task_params.safetensors`) plus the same JSON.
+
+A tensor under several names is written once: T5 ties its token embeddings (`shared`, both stacks'
+`embed_tokens`, and `lm_head` where the config ties it), which written apart made a t5-small export 442 MB instead
+of 243 MB. The file's metadata (`hpsearch_tied`, JSON) maps each other name to the one written, and loading puts
+the tensor back under every name.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from hpsearch.errors import disk_full
@@ -36,16 +41,35 @@ def _meta(model) -> dict:
     return {"model": dataclasses.asdict(model.cfg), "tasks": model.tasks, "t5_config": model.t5.config.to_dict()}
 
 
-def _tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # clone: safetensors refuses tensors that share storage (T5 ties its embeddings)
-    return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+TIED = "hpsearch_tied"  # the metadata key: {other name: the name a tied tensor is written under}
 
 
-def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """({name: tensor on the CPU}, {alias: name}): a tensor that appears under several names (the same storage,
+    offset, shape, strides and dtype: a tied weight) is kept under its first name only. Nothing is cloned: the
+    file is written from the tensors as they are (an already gathered copy is not copied again), and safetensors
+    takes views of one buffer that do not overlap (DeepSpeed's ZeRO-1/2 make every parameter one)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        if tensor.numel():
+            view = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                    tuple(tensor.stride()), tensor.dtype)
+            if view in first:
+                aliases[name] = first[view]
+                continue
+            first[view] = name
+        kept[name] = tensor.to("cpu").contiguous()
+    return kept, aliases
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, aliases: dict[str, str] | None = None) -> None:
     """`save_file`; a full disk comes out as the OSError (ENOSPC, naming the file) other writers raise, where
     safetensors says it in a `SafetensorError` ("... No space left on device (os error 28)") without the file."""
     try:
-        save_file(tensors, str(path))
+        save_file(tensors, str(path), metadata={TIED: json.dumps(aliases)} if aliases else None)
     except SafetensorError as e:
         if disk_full(e):
             raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
@@ -56,7 +80,8 @@ def save_export(model, directory, state: dict[str, torch.Tensor] | None = None) 
     """Write a full export; `state` overrides `model.state_dict()` (e.g. gathered from ZeRO-3 partitions)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _save(_tensors(state if state is not None else model.state_dict()), directory / "model.safetensors")
+    tensors, aliases = _tensors(state if state is not None else model.state_dict())
+    _save(tensors, directory / "model.safetensors", aliases)
     (directory / MARKER).write_text(json.dumps(_meta(model), indent=2, default=str))
     return directory
 
@@ -66,7 +91,8 @@ def save_task_params(model, directory, state: dict[str, torch.Tensor] | None = N
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else model.state_dict()
-    _save(_tensors({k: v for k, v in state.items() if not k.startswith("t5.")}), directory / "task_params.safetensors")
+    tensors, aliases = _tensors({k: v for k, v in state.items() if not k.startswith("t5.")})
+    _save(tensors, directory / "task_params.safetensors", aliases)
     (directory / MARKER).write_text(json.dumps(_meta(model), indent=2, default=str))
     return directory
 
@@ -88,8 +114,17 @@ def load_export(directory, build):
     meta = export_meta(directory)
     model = build(ModelConfig(**meta["model"]), meta["tasks"], backbone=T5Config.from_dict(meta["t5_config"]))
     model.cfg.backbone = meta["model"]["backbone"]
-    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    missing, unexpected = model.load_state_dict(load_weights(directory / "model.safetensors"), strict=False)
     if missing or unexpected:
         raise ValueError(f"{directory}: export does not match the model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
     return model
+
+
+def load_weights(path) -> dict[str, torch.Tensor]:
+    """{name: tensor} of an export's safetensors file, a tied tensor under every name it was saved from."""
+    with safe_open(str(path), "pt") as f:
+        aliases = json.loads((f.metadata() or {}).get(TIED, "{}"))
+    state = load_file(str(path))
+    state.update({alias: state[name] for alias, name in aliases.items()})
+    return state
