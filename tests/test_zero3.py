@@ -46,12 +46,17 @@ def test_zero3_step_every_method(tmp_path):
             assert r["generated"] == r["expected"]  # synced generation under ZeRO-3 == the plain model's
             assert r["frozen"] == r["expected"]  # ... also from task tensors frozen under ZeRO-3
             assert r["merged"] == (name == "lora") and r["merge_equal"]  # LoRA's merge of the gathered weights
-            # the best weights: written whole, one parameter at a time, and read back exactly after the weights moved
+            # the best weights: written whole, one parameter at a time, and read back exactly after the weights moved,
+            # each rank reading its own partitions (half of every parameter, up to the padding of odd sizes)
+            share = r["best"].pop("read_share")
             assert r["best"] == {"moved": True, "restored": True, "whole": True}, r["best"]
+            assert 0.45 <= share <= 0.55, (name, share)
         # the ranks agree on the (gathered) updated parameters' fate and the counts
         assert reports[0][name]["extra"] == reports[1][name]["extra"]
     for rep in reports:  # every parameter persistent (whole copies beside the partitions): the forward sees them
+        share = rep["persistent"]["best"].pop("read_share")
         assert rep["persistent"]["best"] == {"moved": True, "restored": True, "whole": True}, rep["persistent"]
+        assert 0.45 <= share <= 0.55, share  # its partitions only: the whole copies were released first
         assert abs(rep["persistent"]["loss"] - rep["persistent"]["expected_loss"]) < 1e-5, rep["persistent"]
 
 

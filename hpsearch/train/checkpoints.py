@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import re
-import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,45 +156,52 @@ def save_best(engine, rank: int, filesystem, path: str) -> None:
         torch.distributed.barrier()  # written before any checkpoint refers to it
 
 
-def load_best(engine, rank: int, filesystem, path: str) -> None:
-    """Put the weights `save_best` wrote back into the engine's model. Under ZeRO-3 rank 0 reads the file and each
-    parameter is scattered from it; otherwise every rank holds whole parameters and reads the file itself. A file
-    that is gone, unreadable or from another model is a one-line UserError. Every rank calls this."""
-    import deepspeed
-    from safetensors import SafetensorError, safe_open
+def load_best(engine, rank: int, filesystem, path: str) -> int:
+    """Put the weights `save_best` wrote back into the engine's model; returns the tensor bytes this rank read. Under
+    ZeRO-3 each rank reads its own partition of each parameter straight from the file (a byte range each,
+    `tensorfile.py`; in a bucket a ranged read) after DeepSpeed released every gathered copy: no rank reads, receives
+    or gathers the whole model, and nothing is broadcast. Otherwise every rank holds whole parameters and reads them
+    whole. A file that is gone, unreadable or from
+    another model is a one-line UserError on every rank. Every rank calls this."""
+    from hpsearch.train.tensorfile import TensorFile
 
     trained = _trained(engine)
-    zero3 = any(hasattr(p, "ds_id") for _, p in trained)
-    reads = rank == 0 or not zero3
-    problem = ""
-    with tempfile.TemporaryDirectory(prefix="hpsearch-best-") as tmp:
-        local = path
-        if reads and type(filesystem).__name__ != "LocalFileSystem":  # a bucket: this rank's copy
-            local = str(Path(tmp) / "best.safetensors")
-            try:
-                with filesystem.open_input_stream(path) as src, open(local, "wb") as dst:
-                    dst.write(src.read())
-            except OSError:
-                problem = "is gone"
-        if reads and not problem:
-            try:
-                weights = safe_open(local, "pt")
-                missing = sorted({name for name, _ in trained} - set(weights.keys()))
-                problem = f"lacks {', '.join(missing[:3])}" if missing else ""
-            except (OSError, SafetensorError):
-                problem = "is gone or unreadable"
-        flags = torch.tensor([float(bool(problem))])
-        if torch.distributed.is_initialized():
-            if torch.distributed.get_backend() == "nccl":  # NCCL reduces GPU tensors only
-                flags = flags.cuda()
-            torch.distributed.all_reduce(flags)
-        if flags.item():
-            raise UserError(f"the best weights {path} {problem or 'are unusable on another rank'}: the checkpoint "
-                            "refers to weights that are not there (or belong to another model)")
+    problem, weights = "", None
+    try:
+        weights = TensorFile(filesystem, path)
+        missing = sorted({name for name, _ in trained} - weights.names)
+        wrong = [name for name, p in trained if name in weights.names and
+                 weights.shape(name) != list(getattr(p, "ds_shape", p.shape))]
+        problem = (f"lacks {', '.join(missing[:3])}" if missing else
+                   f"holds {wrong[0]} in another shape" if wrong else "")
+    except FileNotFoundError:
+        problem = "is gone"
+    except (OSError, ValueError):
+        problem = "is gone or unreadable"
+    flags = torch.tensor([float(bool(problem))])
+    if torch.distributed.is_initialized():
+        if torch.distributed.get_backend() == "nccl":  # NCCL reduces GPU tensors only
+            flags = flags.cuda()
+        torch.distributed.all_reduce(flags)
+    if flags.item():
+        if weights is not None:
+            weights.file.close()
+        raise UserError(f"the best weights {path} {problem or 'are unusable on another rank'}: the checkpoint "
+                        "refers to weights that are not there (or belong to another model)")
+    zero3 = any(hasattr(p, "ds_tensor") for _, p in trained)
+    if zero3:  # DeepSpeed's own release of every gathered copy (persistent ones too): the next forward gathers the
+        engine.empty_partition_cache()  # partitions loaded here, not a whole value left from the last evaluation
+    with weights, torch.no_grad():
         for name, p in trained:
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                if reads:
-                    p.data.copy_(weights.get_tensor(name).to(p.dtype))
+            if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's flat slice of the parameter, padded to the same size
+                part = p.ds_tensor       # on every rank
+                start = part.ds_numel * torch.distributed.get_rank(group=p.ds_process_group)
+                count = max(0, min(part.ds_numel, p.ds_numel - start))
+                if count:
+                    part.data[:count].copy_(weights.read(name, start, count))
+            else:
+                p.data.copy_(weights.read(name).view(p.shape))
+    return weights.bytes_read
 
 
 EXPORTS = ("model", "task_params", "config.yaml", "metrics.jsonl")

@@ -56,12 +56,15 @@ def best_round_trip(engine, model, batch, path) -> dict:
     engine.backward(loss)
     engine.step()
     moved = any(not torch.equal(v, saved[n]) for n, v in trained(model).items())
-    load_best(engine, rank, fs.LocalFileSystem(), path)
+    with torch.no_grad():  # a forward last, as the loop's final evaluation: gathered copies are left whole
+        engine(**batch)
+    read = load_best(engine, rank, fs.LocalFileSystem(), path)
     restored = all(torch.equal(v, saved[n]) for n, v in trained(model).items())
     with safe_open(path, "pt") as f:
         whole = set(f.keys()) == set(saved) and all(list(f.get_slice(n).get_shape()) == list(saved[n].shape)
                                                     for n in saved)
-    return dict(moved=moved, restored=restored, whole=whole)
+    tensor_bytes = sum(v.numel() * v.element_size() for v in saved.values())
+    return dict(moved=moved, restored=restored, whole=whole, read_share=read / tensor_bytes)
 
 
 report = {}

@@ -1,0 +1,71 @@
+"""The best weights read back by ranges (`hpsearch/train/tensorfile.py`, `checkpoints.load_best`): each range equals
+safetensors' own reading of the file, damaged files are refused, and a run's model gets the file's values."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from pyarrow import fs
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hpsearch.errors import UserError
+from hpsearch.train import checkpoints
+from hpsearch.train.tensorfile import TensorFile
+
+
+@pytest.fixture
+def tensors(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    values = {"w": torch.randn(7, 5, generator=g), "b16": torch.randn(3, 4, 2, generator=g).to(torch.bfloat16),
+              "ids": torch.randint(-9, 9, (11,), generator=g), "one": torch.tensor([2.5], dtype=torch.float16)}
+    path = tmp_path / "w.safetensors"
+    save_file(values, str(path), metadata={"note": "x"})
+    return path, values
+
+
+def test_ranges_equal_safetensors_own_reading(tensors):
+    path, values = tensors
+    with TensorFile(fs.LocalFileSystem(), str(path)) as f, safe_open(str(path), "pt") as ref:
+        assert f.names == set(values) and all(f.shape(n) == list(values[n].shape) for n in values)
+        read = 0
+        for name in values:
+            flat = ref.get_tensor(name).reshape(-1)
+            whole = f.read(name)
+            assert torch.equal(whole, flat) and whole.dtype == flat.dtype
+            for start, count in ((0, 1), (1, flat.numel() - 2), (flat.numel() - 1, 1), (3 % flat.numel(), 0)):
+                if count >= 0 and start + count <= flat.numel():
+                    assert torch.equal(f.read(name, start, count), flat[start:start + count]), (name, start, count)
+                    read += count * flat.element_size()
+        assert f.bytes_read == read + sum(v.numel() * v.element_size() for v in values.values())
+        with pytest.raises(ValueError):
+            f.read("w", 30, 10)  # past its 35 elements
+
+
+def test_damaged_files_are_refused(tensors, tmp_path):
+    path, _ = tensors
+    data = path.read_bytes()
+    for i, damaged in enumerate((data[:-1], b"\xff" * 8 + data[8:], data[:8] + b"[" + data[9:], data[:20])):
+        bad = tmp_path / f"bad{i}.safetensors"
+        bad.write_bytes(damaged)
+        with pytest.raises(ValueError):
+            TensorFile(fs.LocalFileSystem(), str(bad))
+
+
+def test_load_best_puts_the_files_values_in_and_names_a_wrong_file(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    engine = SimpleNamespace(module=model)
+    best = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    save_file(best, str(tmp_path / "best.safetensors"))
+    read = checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / "best.safetensors"))
+    assert all(torch.equal(p, best[n]) for n, p in model.named_parameters())
+    assert read == sum(v.numel() * v.element_size() for v in best.values())
+    save_file({k: v for k, v in best.items() if k != "1.bias"}, str(tmp_path / "lacks.safetensors"))
+    save_file({**best, "1.weight": torch.zeros(3, 2)}, str(tmp_path / "shape.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    for name, says in (("lacks", "lacks 1.bias"), ("shape", "holds 1.weight in another shape"),
+                       ("junk", "is gone or unreadable"), ("missing", "is gone")):
+        with pytest.raises(UserError, match=f"best weights .*{name}.safetensors {says}"):
+            checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / f"{name}.safetensors"))
