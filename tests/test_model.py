@@ -252,6 +252,18 @@ def test_generate_takes_the_callers_cache_choice(batch):
         out = model.generate(ids, mask, task_ids=tasks, cache_implementation="static", **args)
         assert torch.equal(out.sequences, expected)
         assert not any(isinstance(layer, PromptCacheLayer) for layer in out.past_key_values.self_attention_cache.layers)
+        # a partial generation config takes what it leaves unset from the model's, as transformers does
+        for name, value in (("use_cache", False), ("cache_implementation", "static")):
+            default = getattr(model.t5.generation_config, name)
+            setattr(model.t5.generation_config, name, value)
+            try:
+                out = model.generate(ids, mask, task_ids=tasks, generation_config=GenerationConfig(max_new_tokens=6),
+                                     **args)
+            finally:
+                setattr(model.t5.generation_config, name, default)
+            assert torch.equal(out.sequences, expected), name
+            layers = out.past_key_values.self_attention_cache.layers if out.past_key_values is not None else []
+            assert not any(isinstance(layer, PromptCacheLayer) for layer in layers), name
 
 
 

@@ -2,6 +2,7 @@
 safetensors' own reading of the file, damaged files are refused, and a run's model gets the file's values."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -46,7 +47,23 @@ def test_ranges_equal_safetensors_own_reading(tensors):
 def test_damaged_files_are_refused(tensors, tmp_path):
     path, _ = tensors
     data = path.read_bytes()
-    for i, damaged in enumerate((data[:-1], b"\xff" * 8 + data[8:], data[:8] + b"[" + data[9:], data[:20])):
+    def header(entries) -> bytes:
+        text = json.dumps(entries).encode()
+        return len(text).to_bytes(8, "little") + text + b"\0" * 64
+
+    crafted = [header(h) for h in (
+        {"x": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}},     # a float dimension
+        {"x": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}},  # a bool one
+        {"x": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}},   # negative ones
+        {"x": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}},       # before the data
+        {"x": {"dtype": "F32", "shape": [100], "data_offsets": [0, 400]}},    # past the end
+        {"x": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}},         # an unknown dtype
+        {"x": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}},          # not a list
+        [1, 2])]
+    nested = b"[" * 200_000
+    crafted.append(len(nested).to_bytes(8, "little") + nested)  # json's recursion limit
+    for i, damaged in enumerate((data[:-1], b"\xff" * 8 + data[8:], data[:8] + b"[" + data[9:], data[:20],
+                                 *crafted)):
         bad = tmp_path / f"bad{i}.safetensors"
         bad.write_bytes(damaged)
         with pytest.raises(ValueError):

@@ -348,14 +348,19 @@ class MultiTaskT5(nn.Module):
             return self.t5.generate(**inputs, **generation_kwargs)
 
     def _default_cache(self, generation_kwargs: dict) -> bool:
-        """True when this generate call would cache with transformers' default (dynamic) cache: caching on (the
-        keyword, else the call's or the model's generation config), no cache passed in, no other cache asked for
-        (`cache_implementation`). Only then does the prompt-holding cache stand in for it: a cache handed to
-        `generate` is used even with `use_cache=False`, which would feed the whole prefix into it at every step."""
-        config = generation_kwargs.get("generation_config") or self.t5.generation_config
-        use_cache = generation_kwargs.get("use_cache", getattr(config, "use_cache", None))
-        implementation = generation_kwargs.get("cache_implementation", getattr(config, "cache_implementation", None))
-        return use_cache is not False and implementation is None and generation_kwargs.get("past_key_values") is None
+        """True when this generate call would cache with transformers' default (dynamic) cache: caching on, no cache
+        passed in, no other cache asked for (`cache_implementation`). Each setting is resolved as transformers does:
+        the keyword, else the passed generation config's value, else the model's, else the default (caching on).
+        Only then does the prompt-holding cache stand in: a cache handed to `generate` is used even with
+        `use_cache=False`, which would feed the whole prefix into it at every step."""
+        configs = [generation_kwargs.get("generation_config"), self.t5.generation_config]
+
+        def setting(name: str):
+            if name in generation_kwargs:
+                return generation_kwargs[name]
+            return next((v for v in (getattr(c, name, None) for c in configs if c is not None) if v is not None), None)
+        return setting("use_cache") is not False and setting("cache_implementation") is None and \
+            generation_kwargs.get("past_key_values") is None
 
     # ---- analysis -------------------------------------------------------------------------------------------
     @torch.no_grad()

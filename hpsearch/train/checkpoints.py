@@ -199,6 +199,8 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
                 count = max(0, min(part.ds_numel, p.ds_numel - start))
                 if count:
                     part.data[:count].copy_(weights.read(name, start, count))
+                if getattr(p, "ds_secondary_tensor", None) is not None:  # ZeRO++ hpZ gathers from its node-local
+                    p.ds_secondary_tensor = None  # copy when there is one: drop it (DeepSpeed's own invalidation)
             else:
                 p.data.copy_(weights.read(name).view(p.shape))
     return weights.bytes_read

@@ -19,6 +19,10 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
+def _ints(values) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)  # not bool, not float
+
+
 class TensorFile:
     """`with TensorFile(filesystem, path) as f`: `f.names`, `f.shape(name)`, `f.read(name, start, count)`;
     `f.bytes_read` counts the tensor bytes this reader fetched."""
@@ -38,11 +42,11 @@ class TensorFile:
             self.base, self.entries = 8 + n, header
             for name, entry in header.items():
                 begin, end = entry["data_offsets"]
-                numel = math.prod(entry["shape"])
-                if entry["dtype"] not in DTYPES or end - begin != numel * DTYPES[entry["dtype"]].itemsize or \
-                        begin < 0 or self.base + end > size:
+                shape = entry["shape"]
+                if not (_ints([begin, end, *shape]) and entry["dtype"] in DTYPES and 0 <= begin and
+                        self.base + end <= size and end - begin == math.prod(shape) * DTYPES[entry["dtype"]].itemsize):
                     raise ValueError(f"{path}: tensor {name} does not fit its header")
-        except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (KeyError, TypeError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
             self.file.close()
             raise ValueError(f"{path}: not a safetensors header ({type(e).__name__})") from None
         except BaseException:
