@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from hpsearch.errors import disk_full
 
@@ -123,8 +123,8 @@ def load_export(directory, build):
 
 def load_weights(path) -> dict[str, torch.Tensor]:
     """{name: tensor} of an export's safetensors file, a tied tensor under every name it was saved from."""
-    with safe_open(str(path), "pt") as f:
+    with safe_open(str(path), "pt") as f:  # one read of the file: its metadata and its tensors
         aliases = json.loads((f.metadata() or {}).get(TIED, "{}"))
-    state = load_file(str(path))
+        state = {name: f.get_tensor(name) for name in f.keys()}
     state.update({alias: state[name] for alias, name in aliases.items()})
     return state

@@ -161,8 +161,8 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
     ZeRO-3 each rank reads its own partition of each parameter straight from the file (a byte range each,
     `tensorfile.py`; in a bucket a ranged read) after DeepSpeed released every gathered copy: no rank reads, receives
     or gathers the whole model, and nothing is broadcast. Otherwise every rank holds whole parameters and reads them
-    whole. A file that is gone, unreadable or from
-    another model is a one-line UserError on every rank. Every rank calls this."""
+    whole. A file that is gone, unreadable or from another model is a one-line UserError on every rank. Every rank
+    calls this."""
     from hpsearch.train.tensorfile import TensorFile
 
     trained = _trained(engine)
@@ -185,12 +185,13 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
         torch.distributed.all_reduce(flags)
     if flags.item():
         if weights is not None:
-            weights.file.close()
+            weights.close()
         raise UserError(f"the best weights {path} {problem or 'are unusable on another rank'}: the checkpoint "
                         "refers to weights that are not there (or belong to another model)")
-    zero3 = any(hasattr(p, "ds_tensor") for _, p in trained)
-    if zero3:  # DeepSpeed's own release of every gathered copy (persistent ones too): the next forward gathers the
-        engine.empty_partition_cache()  # partitions loaded here, not a whole value left from the last evaluation
+    if any(hasattr(p, "ds_tensor") for _, p in trained):
+        # DeepSpeed's own release of every gathered copy (persistent ones too): the next forward gathers the
+        # partitions loaded here, not a whole value left from the last evaluation
+        engine.empty_partition_cache()
     with weights, torch.no_grad():
         for name, p in trained:
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's flat slice of the parameter, padded to the same size

@@ -43,21 +43,24 @@ class TensorFile:
             for name, entry in header.items():
                 begin, end = entry["data_offsets"]
                 shape = entry["shape"]
-                if not (_ints([begin, end, *shape]) and entry["dtype"] in DTYPES and 0 <= begin and
-                        self.base + end <= size and end - begin == math.prod(shape) * DTYPES[entry["dtype"]].itemsize):
+                if not (_ints([begin, end, *shape]) and entry["dtype"] in DTYPES and self.base + end <= size
+                        and end - begin == math.prod(shape) * DTYPES[entry["dtype"]].itemsize):
                     raise ValueError(f"{path}: tensor {name} does not fit its header")
         except (KeyError, TypeError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-            self.file.close()
+            self.close()
             raise ValueError(f"{path}: not a safetensors header ({type(e).__name__})") from None
         except BaseException:
-            self.file.close()
+            self.close()
             raise
+
+    def close(self) -> None:
+        self.file.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.file.close()
+        self.close()
 
     @property
     def names(self) -> set[str]:
