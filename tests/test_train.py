@@ -521,6 +521,11 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     assert list(phases)[1:5] == ["driver imports and checks", "Ray start", "trainer set-up",
                                  "Train controller and worker group"]
     assert sum(list(phases.values())[1:]) == pytest.approx(phases["total_s"], abs=0.5)
+    # each line a worker prints reaches the terminal once (not on stdout and again on stderr)
+    worker_lines = [ln for ln in (base_proc.stdout + base_proc.stderr).splitlines() if "[hpsearch.train] " in ln
+                    and "RayTrainWorker" in ln]
+    assert sum("[hpsearch.train] start-up " in ln for ln in worker_lines) == 1, worker_lines
+    assert len(worker_lines) == len(set(worker_lines)), worker_lines
     for name in ("config.yaml", "metrics.jsonl", "model/model.safetensors", "task_params/task_params.safetensors"):
         assert (tmp_path / "a" / name).is_file(), name
     history = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]

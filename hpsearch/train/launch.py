@@ -30,7 +30,10 @@ def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
     env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning", "TOKENIZERS_PARALLELISM": "false",
            # a reused Tune actor waits this long for the stopped trial's thread (its batch prefetcher, its system
            # metrics) before taking the next trial; Tune's 2 s default fails that trial on a busy machine
-           "TUNE_FUNCTION_THREAD_TIMEOUT_S": "60"}
+           "TUNE_FUNCTION_THREAD_TIMEOUT_S": "60",
+           # Ray Train's workers route print() through its logger, which writes the line to stderr and, as Ray
+           # wraps the worker's stdout, to stdout as well: every line of the run twice on the user's terminal
+           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     if not cfg.train.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env
