@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 import time
@@ -22,6 +23,10 @@ def free_port() -> int:
 
 def _ray_train_loop(loop_config: dict) -> None:
     startup = {**(loop_config.get("startup") or {}), "worker": time.time()}  # before this worker's imports
+    # the run's LoggingConfig keeps Ray Train's own INFO lines off the console, but its worker logs each report
+    # ("Reporting training result 1: TrainingReport(...)", per rank) through a logger named after its file, which
+    # only the root logger's level (Ray Train sets INFO) stops; the recipe prints what the user sees
+    logging.getLogger().setLevel(logging.WARNING)
     from hpsearch.train.loop import train_loop
     train_loop({**loop_config, "startup": startup})
 
