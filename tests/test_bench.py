@@ -42,8 +42,9 @@ def check_figures(out: dict) -> None:
 def test_smoke_tiny_shape_json_fields():
     from hpsearch.model import METHOD_CLASSES
 
-    out = report(bench("--shape", "t5-tiny", "--reps", "2", "--only", *RATIO_GROUPS, "--json"))
+    out = report(bench("--shape", "t5-tiny", "--reps", "2", "--batch", "8x16+4", "--only", *RATIO_GROUPS, "--json"))
     assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
+    assert out["batch"] == {"rows": 8, "source_tokens": 16, "target_tokens": 4, "batching": "task"}
     assert out["host_allocator"] == ("reuse" if hostmem.glibc() else "unavailable")  # what CPU training does
     assert len(out["load_before"]) == 3 and len(out["load_after"]) == 3
     check_figures(out)
@@ -73,6 +74,33 @@ def test_smoke_tiny_shape_json_fields():
     # the HyperPrompt step does more arithmetic than MTL's (its generators, its longer attention)
     assert figures["step/hyperprompt-global_vs_mtl"]["parts"]["flop_ratio"] > 1
     assert {"deepspeed/zero3_vs_torch", "deepspeed/zero0_vs_torch"} <= set(figures)
+
+
+def test_the_timed_batch_has_the_shape_asked_for():
+    """`--batch ROWSxSOURCE+TARGET`: the step and generation rows time a batch of that shape, generating as many tokens
+    as the targets (the FLOP ratio in the step rows is counted on it)."""
+    import torch
+
+    from hpsearch.bench.models import BatchShape, generation, make_batch
+    from hpsearch.model import build_model
+
+    shape = BatchShape.parse("3 x 5 + 2")
+    assert (shape.rows, shape.source, shape.target) == (3, 5, 2) and str(shape) == "3 x (5 + 2)"
+    batch = make_batch(100, 4, "mixed", shape)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (3, 5) and batch["labels"].shape == (3, 2)
+    assert batch["task_ids"].tolist() == [0, 1, 2]
+    assert make_batch(100, 4, "task", shape)["task_ids"].tolist() == [0, 0, 0]
+    torch.manual_seed(0)
+    model = build_model("t5-tiny", "mtl", ["a", "b", "c", "d"]).eval()
+    out = generation(model, "mtl", batch)()
+    assert out.shape == (3, 1 + 2)  # the decoder's start token and exactly two new tokens
+
+
+def test_methods_times_only_the_rows_asked_for():
+    out = report(bench("--shape", "t5-tiny", "--reps", "1", "--batch", "4x8+2", "--only", "step",
+                       "--methods", "hyperprompt-sep", "lora", "--json"))
+    assert out["methods"] == ["hyperprompt-sep", "lora"] and not out["errors"], out["errors"]
+    assert set(out["figures"]) == {"step/mtl_vs_stock", "step/hyperprompt-sep_vs_mtl", "step/lora_vs_mtl"}
 
 
 @pytest.mark.slow
@@ -138,6 +166,9 @@ def test_study_group_tiny_shape():
     (["--memory-shape", "t5-huge"], "--memory-shape: 't5-huge' is not a named shape"),
     (["--only", "nosuchgroup"], "invalid choice: 'nosuchgroup'"),
     (["--only", "trial", "--skip", "trial"], "no group left"),
+    (["--batch", "32x64"], "--batch: '32x64' is not ROWSxSOURCE+TARGET"),
+    (["--methods", "hyperprompt"], "--methods: 'hyperprompt' is not a method row; known: "),
+    (["--batch", "0x64+8"], "--batch: '0x64+8' is not ROWSxSOURCE+TARGET with positive integers"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     proc = bench(*args, timeout=120)

@@ -1,6 +1,7 @@
 """`python -m hpsearch.bench`: the project's own speed, as ratios measured interleaved in one run (issue 12).
 
-    python -m hpsearch.bench [--shape t5-small] [--tasks 8] [--reps 7] [--threads N] [--batching task|mixed]
+    python -m hpsearch.bench [--shape t5-small] [--tasks 8] [--reps 7] [--threads N] [--batch 32x64+8]
+                             [--methods ROW ...] [--batching task|mixed]
                              [--host-allocator reuse|system] [--memory-shape t5-large] [--memory-world 2]
                              [--only GROUP ...] [--skip GROUP ...] [--json]
 

@@ -26,6 +26,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=8, help="number of tasks (default: 8)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions after one warm-up (default: 7)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's current number)")
+    p.add_argument("--batch", default="32x64+8", metavar="ROWSxSOURCE+TARGET",
+                   help="the timed batch of groups step to deepspeed: rows x (input + target tokens) (32x64+8)")
+    p.add_argument("--methods", nargs="+", metavar="ROW",
+                   help="groups step, generate, flops: only these method rows (with MTL and stock T5), e.g. "
+                        "hyperprompt-global lora (default: every method; all of them at t5-base take ~45 GB)")
     p.add_argument("--batching", choices=("task", "mixed"), default="task",
                    help="task ids of the batch: one task (the recipe's default) or all tasks mixed")
     p.add_argument("--host-allocator", choices=("reuse", "system"), default="reuse",
@@ -41,6 +46,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name}: {value} is out of range; expected an integer >= 1")
+    from hpsearch.bench.models import BatchShape, method_rows
+
+    rows = [row for row, _, _ in method_rows()]
+    for row in args.methods or []:
+        if row not in rows:
+            raise UserError(f"--methods: {row!r} is not a method row; known: {', '.join(rows)}")
+
+    try:
+        args.batch = BatchShape.parse(args.batch)
+    except ValueError as e:
+        raise UserError(f"--batch: {e}") from None
     args.groups = [g for g in (args.only or GROUPS) if g not in args.skip]
     if not args.groups:
         raise UserError("--only/--skip: no group left to run")
@@ -98,8 +114,8 @@ def main(argv: list[str]) -> int:
     threads = torch.get_num_threads()
     allocator = hostmem.apply(args.host_allocator, use_gpu=False)  # what a CPU worker does (train.host_allocator)
     load_before = os.getloadavg()
-    header = (f"hpsearch.bench: shape {args.shape}, {args.tasks} tasks, batch {models.BATCH} x ({models.SOURCE_LEN} + "
-              f"{models.TARGET_LEN}) tokens, {args.batching} batching, reps {args.reps} (+1 warm-up), groups "
+    header = (f"hpsearch.bench: shape {args.shape}, {args.tasks} tasks, batch {args.batch} tokens, "
+              f"{args.batching} batching, reps {args.reps} (+1 warm-up), groups "
               f"{' '.join(groups)}\nmachine: {os.cpu_count()}-core CPU ({_cpu_name()}), torch {torch.__version__}, "
               f"{threads} torch threads, host allocator {allocator}, load (1/5/15 min) before "
               f"{' '.join(f'{x:.2f}' for x in load_before)}")
@@ -107,10 +123,11 @@ def main(argv: list[str]) -> int:
     figures, errors = [], {}
     started = time.perf_counter()
     if {"step", "generate", "flops"} & set(groups):
-        f, e = models.run(args.shape, args.tasks, set(groups), args.reps, args.batching, log)
+        f, e = models.run(args.shape, args.tasks, set(groups), args.reps, args.batching, log, args.batch,
+                          args.methods)
         figures, errors = figures + f, {**errors, **e}
     if "deepspeed" in groups:
-        f, e = zero.run(args.shape, args.tasks, args.reps, args.batching, log)
+        f, e = zero.run(args.shape, args.tasks, args.reps, args.batching, log, args.batch)
         figures, errors = figures + f, {**errors, **e}
     if "checkpoint" in groups:
         f, e = trial.run_checkpoint(args.shape, log)
@@ -131,8 +148,9 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({
             "shape": args.shape, "tasks": args.tasks, "reps": args.reps, "warmup_rounds": 1, "groups": groups,
-            "batch": {"rows": models.BATCH, "source_tokens": models.SOURCE_LEN, "target_tokens": models.TARGET_LEN,
-                      "batching": args.batching},
+            "methods": args.methods or "all",
+            "batch": {"rows": args.batch.rows, "source_tokens": args.batch.source,
+                      "target_tokens": args.batch.target, "batching": args.batching},
             "threads": threads, "host_allocator": allocator, "cpu_count": os.cpu_count(), "cpu": _cpu_name(),
             "torch": torch.__version__,
             "load_before": list(load_before), "load_after": list(load_after),

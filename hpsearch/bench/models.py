@@ -1,21 +1,43 @@
 """Groups `step`, `generate` and `flops`: every method of the registry against MTL, MTL against stock T5.
 
-All models share one random backbone (copied, so every row starts from the same weights) and one batch of
-32 x (64 input + 8 target) tokens. A train step is forward, backward and AdamW; generation is greedy with
-exactly 8 new tokens (`min_new_tokens`: random weights would otherwise stop at different lengths). Model
+All models share one random backbone (copied, so every row starts from the same weights) and one batch, by
+default 32 x (64 input + 8 target) tokens (`--batch`). A train step is forward, backward and AdamW; generation is
+greedy with exactly as many new tokens as the targets (`min_new_tokens`: random weights would otherwise stop at
+different lengths). Model
 FLOPs are counted once per model with `FlopCounterMode` on forward + backward; the machine's peak is a
 square fp32 matmul timed in the same pool.
 """
 from __future__ import annotations
 
 import copy
+import re
+from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from hpsearch.bench.timing import Figure, Pool, ratio
 
-BATCH, SOURCE_LEN, TARGET_LEN = 32, 64, 8
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The timed batch: `rows` x (`source` input + `target` label) tokens (`--batch ROWSxSOURCE+TARGET`)."""
+    rows: int = 32
+    source: int = 64
+    target: int = 8
+
+    @classmethod
+    def parse(cls, text: str) -> BatchShape:
+        match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*\+\s*(\d+)\s*", text)
+        if not match or min(int(g) for g in match.groups()) < 1:
+            raise ValueError(f"{text!r} is not ROWSxSOURCE+TARGET with positive integers, e.g. 32x64+8")
+        return cls(*(int(g) for g in match.groups()))
+
+    def __str__(self) -> str:
+        return f"{self.rows} x ({self.source} + {self.target})"
+
+
+BATCH = BatchShape()  # the issue's: 32 x (64 + 8) tokens
 PEAK_N = 2048  # the square fp32 matmul that stands for the machine's peak
 LR = 1e-4
 # HyperPrompt as the issue states it: both sides, l = 16 / 6, b = 32 (the rest: ModelConfig's defaults)
@@ -37,16 +59,18 @@ def method_rows() -> list[tuple[str, str, dict]]:
     return rows
 
 
-def make_batch(vocab_size: int, n_tasks: int, batching: str) -> dict:
+def make_batch(vocab_size: int, n_tasks: int, batching: str, shape: BatchShape = BATCH) -> dict:
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab_size, (BATCH, SOURCE_LEN), generator=g)
-    labels = torch.randint(2, vocab_size, (BATCH, TARGET_LEN), generator=g)
-    task_ids = torch.arange(BATCH) % n_tasks if batching == "mixed" else torch.zeros(BATCH, dtype=torch.long)
+    ids = torch.randint(2, vocab_size, (shape.rows, shape.source), generator=g)
+    labels = torch.randint(2, vocab_size, (shape.rows, shape.target), generator=g)
+    rows = shape.rows
+    task_ids = torch.arange(rows) % n_tasks if batching == "mixed" else torch.zeros(rows, dtype=torch.long)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, task_ids=task_ids)
 
 
-def build_rows(shape: str, n_tasks: int) -> tuple[dict, dict[str, str]]:
-    """({row: model}, {row: error}) with row "stock" the plain T5ForConditionalGeneration."""
+def build_rows(shape: str, n_tasks: int, only: list[str] | None = None) -> tuple[dict, dict[str, str]]:
+    """({row: model}, {row: error}) with row "stock" the plain T5ForConditionalGeneration; `only`: these method
+    rows (with MTL, every ratio's denominator), else all."""
     from hpsearch.model import build_model
     from hpsearch.model.backbones import load_backbone
 
@@ -55,6 +79,8 @@ def build_rows(shape: str, n_tasks: int) -> tuple[dict, dict[str, str]]:
     models, errors = {"stock": copy.deepcopy(base)}, {}
     tasks = [f"task{i}" for i in range(n_tasks)]
     for row, method, hparams in method_rows():
+        if only and row not in only and row != "mtl":
+            continue
         try:
             torch.manual_seed(0)
             models[row] = build_model(shape, method, tasks, t5=copy.deepcopy(base), **hparams)
@@ -79,7 +105,8 @@ def train_step(model, row: str, batch: dict):
 
 
 def generation(model, row: str, batch: dict):
-    kwargs = dict(max_new_tokens=TARGET_LEN, min_new_tokens=TARGET_LEN, do_sample=False, num_beams=1)
+    new = batch["labels"].shape[1]  # as many tokens as the batch's targets
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1)
     if row == "stock":
         return lambda: model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
     return lambda: model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"], **kwargs)
@@ -157,10 +184,12 @@ def peak_matmul():
 
 
 # ---- the phase -------------------------------------------------------------------------------------------------
-def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, log) -> tuple[list, dict]:
-    log(f"building stock T5 and {len(method_rows())} method rows at {shape} ({n_tasks} tasks)")
-    models, errors = build_rows(shape, n_tasks)
-    batch = make_batch(models["stock"].config.vocab_size, n_tasks, batching)
+def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, log,
+        batch_shape: BatchShape = BATCH, only: list[str] | None = None) -> tuple[list, dict]:
+    log(f"building stock T5 and {len(only) + 1 if only else len(method_rows())} method rows at {shape} "
+        f"({n_tasks} tasks)")
+    models, errors = build_rows(shape, n_tasks, only)
+    batch = make_batch(models["stock"].config.vocab_size, n_tasks, batching, batch_shape)
     pool, flops = Pool(), {}
     step_rows = list(models) if "step" in groups else [r for r in MFU_ROWS if r in models] if "flops" in groups else []
     for row in step_rows:
@@ -217,7 +246,7 @@ def figures(groups: set[str], rows: list[str], timings: dict, flops: dict[str, i
                                                                  f"{flops[r] / flops['mtl']:.3f})")))
     if "generate" in groups:
         out.append(ratio("generate/mtl_vs_stock", "generate:mtl", "generate:stock", timings, WRAPPER_GOAL,
-                         "greedy generation, 8 tokens: MTL wrapper ÷ stock T5"))
+                         "greedy generation: MTL wrapper ÷ stock T5"))
         out += [f for r in rows for f in (generate(r), generate(r, dynamic=True))]
     if "flops" in groups:
         out += [mfu(r) for r in MFU_ROWS]

@@ -64,7 +64,7 @@ def engine_step(model, cfg, batch):
     return step, engine
 
 
-def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, dict]:
+def run(shape: str, n_tasks: int, reps: int, batching: str, log, batch_shape=None) -> tuple[list, dict]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import psutil
@@ -77,7 +77,9 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, 
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
-    cfg = load_config(None, [f"model.backbone={shape}", f"train.micro_batch_size={BATCH}", "train.num_workers=1"])
+    batch_shape = batch_shape or BATCH
+    cfg = load_config(None, [f"model.backbone={shape}", f"train.micro_batch_size={batch_shape.rows}",
+                             "train.num_workers=1"])
     stages = [3, 0]
     created = _init_process_group()
     load_ops(ops_for(offload_optimizer=False))
@@ -85,7 +87,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log) -> tuple[list, 
         deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     base = build_from_config(cfg.model, [f"task{i}" for i in range(n_tasks)])
-    batch = make_batch(base.config.vocab_size, n_tasks, batching)
+    batch = make_batch(base.config.vocab_size, n_tasks, batching, batch_shape)
     auto, _ = auto_zero_stage(cfg, sum(p.numel() for p in base.parameters()), psutil.virtual_memory().total)
     log(f"DeepSpeed stages {stages} vs a plain loop: {cfg.model.method} at {shape} (zero_stage=auto: {auto})")
     pool, errors, engines = Pool(), {}, []
