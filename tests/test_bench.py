@@ -106,8 +106,8 @@ def test_methods_times_only_the_rows_asked_for():
 @pytest.mark.slow
 def test_checkpoint_group_tiny_shape():
     # after an in-process group (its torch.distributed rendezvous still open): the subprocess run must not inherit it
-    out = report(bench("--shape", "t5-tiny", "--reps", "1", "--only", "deepspeed", "checkpoint", "--json",
-                       timeout=900))
+    out = report(bench("--shape", "t5-tiny", "--reps", "1", "--batch", "4x8+2", "--only", "deepspeed", "checkpoint",
+                       "--json", timeout=900))
     check_figures(out)
     figures = {k: v for k, v in out["figures"].items() if k.startswith("checkpoint/")}
     assert set(figures) == {"checkpoint/written_per_eval", "checkpoint/best_size", "checkpoint/best_copied",
