@@ -81,7 +81,8 @@ def test_the_timed_batch_has_the_shape_asked_for():
     as the targets (the FLOP ratio in the step rows is counted on it)."""
     import torch
 
-    from hpsearch.bench.models import BatchShape, generation, make_batch
+    from hpsearch.bench.models import generation, make_batch
+    from hpsearch.bench.rows import BatchShape
     from hpsearch.model import build_model
 
     shape = BatchShape.parse("3 x 5 + 2")
@@ -158,6 +159,18 @@ def test_study_group_tiny_shape():
     assert w1 > 0 and w2 > 0 and 0 < s1 < s2
     assert f.value == pytest.approx((w2 - w1) - (s2 - s1), rel=1e-9)
     assert f.goal == 6.0
+
+
+def test_the_command_line_is_checked_without_importing_torch():
+    """Every option is checked before torch, transformers or the model library is imported (~5 s here): a typo is
+    one line at once."""
+    code = ("import sys; from hpsearch.bench.__main__ import parse_args; "
+            "parse_args(['--batch', '8x32+4', '--methods', 'lora', 'hyperprompt-sep', '--shape', 't5-base']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'deepspeed') "
+            "or m.startswith('hpsearch.model.') and m not in ('hpsearch.model.backbones', 'hpsearch.model.config')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("args, message", [

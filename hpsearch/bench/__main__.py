@@ -46,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name}: {value} is out of range; expected an integer >= 1")
-    from hpsearch.bench.models import BatchShape, method_rows
+    from hpsearch.bench.rows import BatchShape, method_rows
 
     rows = [row for row, _, _ in method_rows()]
     for row in args.methods or []:

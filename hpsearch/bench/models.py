@@ -10,53 +10,17 @@ square fp32 matmul timed in the same pool.
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from hpsearch.bench.rows import BATCH, BatchShape, method_rows
 from hpsearch.bench.timing import Figure, Pool, ratio
 
-
-@dataclass(frozen=True)
-class BatchShape:
-    """The timed batch: `rows` x (`source` input + `target` label) tokens (`--batch ROWSxSOURCE+TARGET`)."""
-    rows: int = 32
-    source: int = 64
-    target: int = 8
-
-    @classmethod
-    def parse(cls, text: str) -> BatchShape:
-        match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*\+\s*(\d+)\s*", text)
-        if not match or min(int(g) for g in match.groups()) < 1:
-            raise ValueError(f"{text!r} is not ROWSxSOURCE+TARGET with positive integers, e.g. 32x64+8")
-        return cls(*(int(g) for g in match.groups()))
-
-    def __str__(self) -> str:
-        return f"{self.rows} x ({self.source} + {self.target})"
-
-
-BATCH = BatchShape()  # the issue's: 32 x (64 + 8) tokens
 PEAK_N = 2048  # the square fp32 matmul that stands for the machine's peak
 LR = 1e-4
-# HyperPrompt as the issue states it: both sides, l = 16 / 6, b = 32 (the rest: ModelConfig's defaults)
-HYPERPROMPT = dict(placement="both", prompt_length_encoder=16, prompt_length_decoder=6, bottleneck=32)
 STEP_GOAL, WRAPPER_GOAL, GENERATE_GOAL, MFU_GOAL = 1.03, 1.01, 1.01, 0.5
 MFU_ROWS = ("stock", "hyperprompt-global")
-
-
-def method_rows() -> list[tuple[str, str, dict]]:
-    """(row, method, hparams): every method of the registry with its defaults; HyperPrompt once per variant."""
-    from hpsearch.model import METHOD_CLASSES
-
-    rows = []
-    for method in METHOD_CLASSES:
-        if method == "hyperprompt":
-            rows += [(f"hyperprompt-{v}", method, {**HYPERPROMPT, "variant": v}) for v in ("global", "share", "sep")]
-        else:
-            rows.append((method, method, {}))
-    return rows
 
 
 def make_batch(vocab_size: int, n_tasks: int, batching: str, shape: BatchShape = BATCH) -> dict:

@@ -69,7 +69,8 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log, batch_shape=Non
     import deepspeed
     import psutil
 
-    from hpsearch.bench.models import BATCH, make_batch
+    from hpsearch.bench.models import make_batch
+    from hpsearch.bench.rows import BATCH
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
     from hpsearch.train.dsconfig import auto_zero_stage
