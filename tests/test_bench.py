@@ -45,6 +45,9 @@ def test_smoke_tiny_shape_json_fields():
     out = report(bench("--shape", "t5-tiny", "--reps", "2", "--batch", "8x16+4", "--only", *RATIO_GROUPS, "--json"))
     assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
     assert out["batch"] == {"rows": 8, "source_tokens": 16, "target_tokens": 4, "batching": "task"}
+    assert out["methods"] is None  # every method row
+    for name, f in out["figures"].items():  # what each group timed, read off the batch's tensors
+        assert f["parts"]["batch_shape"] == [8, 16, 4], name
     assert out["host_allocator"] == ("reuse" if hostmem.glibc() else "unavailable")  # what CPU training does
     assert len(out["load_before"]) == 3 and len(out["load_after"]) == 3
     check_figures(out)
@@ -99,8 +102,8 @@ def test_the_timed_batch_has_the_shape_asked_for():
 
 def test_methods_times_only_the_rows_asked_for():
     out = report(bench("--shape", "t5-tiny", "--reps", "1", "--batch", "4x8+2", "--only", "step",
-                       "--methods", "hyperprompt-sep", "lora", "--json"))
-    assert out["methods"] == ["hyperprompt-sep", "lora"] and not out["errors"], out["errors"]
+                       "--methods", "hyperprompt-sep", "lora", "lora", "mtl", "--json"))
+    assert out["methods"] == ["hyperprompt-sep", "lora", "mtl"] and not out["errors"], out["errors"]
     assert set(out["figures"]) == {"step/mtl_vs_stock", "step/hyperprompt-sep_vs_mtl", "step/lora_vs_mtl"}
 
 
@@ -181,6 +184,7 @@ def test_the_command_line_is_checked_without_importing_torch():
     (["--only", "trial", "--skip", "trial"], "no group left"),
     (["--batch", "32x64"], "--batch: '32x64' is not ROWSxSOURCE+TARGET"),
     (["--methods", "hyperprompt"], "--methods: 'hyperprompt' is not a method row; known: "),
+    (["--methods", "lora", "--only", "deepspeed"], "--methods: selects rows of groups step, generate and flops; none"),
     (["--batch", "0x64+8"], "--batch: '0x64+8' is not ROWSxSOURCE+TARGET with positive integers"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):

@@ -526,7 +526,7 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
                     and "RayTrainWorker" in ln]
     assert sum("[hpsearch.train] start-up " in ln for ln in worker_lines) == 1, worker_lines
     assert len(worker_lines) == len(set(worker_lines)), worker_lines
-    assert "Reporting training result" not in base_proc.stderr  # Ray Train's per-rank report lines
+    assert "Reporting training result" not in base_proc.stdout + base_proc.stderr  # Ray Train's per-rank lines
     for name in ("config.yaml", "metrics.jsonl", "model/model.safetensors", "task_params/task_params.safetensors"):
         assert (tmp_path / "a" / name).is_file(), name
     history = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]

@@ -19,8 +19,10 @@ Groups (all by default; `--only` / `--skip` select):
                 the whole model on every rank for contrast), initialising DeepSpeed and exporting `--memory-shape`
                 (default t5-large: ~15 GB of RAM at its peak, a few minutes)
 
-`step`, `generate` and `flops` share one interleaved pool (one warm-up round, then `--reps` rounds); `deepspeed`
-has its own. Figures are ratios of minimum times; each is printed beside its goal, `--json` adds one JSON
-object on the last line. Nothing runs on a GPU: this measures the code's overheads on this machine's CPU.
+`--methods` picks the method rows of `step`, `generate` and `flops` (MTL and stock T5 always run); `--batch` sets
+the batch of those and of `deepspeed`. `step`, `generate` and `flops` share one interleaved pool (one warm-up
+round, then `--reps` rounds); `deepspeed` has its own. Figures are ratios of minimum times; each is printed beside
+its goal, `--json` adds one JSON object on the last line. Nothing runs on a GPU: this measures the code's overheads
+on this machine's CPU.
 """
 GROUPS = ("step", "generate", "flops", "deepspeed", "checkpoint", "trial", "study", "memory")

@@ -30,7 +30,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the timed batch of groups step to deepspeed: rows x (input + target tokens) (32x64+8)")
     p.add_argument("--methods", nargs="+", metavar="ROW",
                    help="groups step, generate, flops: only these method rows (with MTL and stock T5), e.g. "
-                        "hyperprompt-global lora (default: every method; all of them at t5-base take ~45 GB)")
+                        "hyperprompt-global lora (default: every method; all of them at t5-base take ~45 GB); "
+                        "group deepspeed times the recipe's default model whatever this says")
     p.add_argument("--batching", choices=("task", "mixed"), default="task",
                    help="task ids of the batch: one task (the recipe's default) or all tasks mixed")
     p.add_argument("--host-allocator", choices=("reuse", "system"), default="reuse",
@@ -52,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for row in args.methods or []:
         if row not in rows:
             raise UserError(f"--methods: {row!r} is not a method row; known: {', '.join(rows)}")
+    if args.methods:
+        args.methods = list(dict.fromkeys(args.methods))  # each once, in the order given
 
     try:
         args.batch = BatchShape.parse(args.batch)
@@ -60,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.groups = [g for g in (args.only or GROUPS) if g not in args.skip]
     if not args.groups:
         raise UserError("--only/--skip: no group left to run")
+    if args.methods and not {"step", "generate", "flops"} & set(args.groups):
+        raise UserError(f"--methods: selects rows of groups step, generate and flops; none of them runs here "
+                        f"({' '.join(args.groups)})")
     if not 2 <= args.memory_world <= 16:
         raise UserError(f"--memory-world: {args.memory_world} is out of range; expected 2 to 16 ranks")
     from hpsearch.model.backbones import NAMED_SHAPES
@@ -148,7 +154,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({
             "shape": args.shape, "tasks": args.tasks, "reps": args.reps, "warmup_rounds": 1, "groups": groups,
-            "methods": args.methods or "all",
+            "methods": args.methods,  # the method rows groups step, generate and flops timed; null: every one
             "batch": {"rows": args.batch.rows, "source_tokens": args.batch.source,
                       "target_tokens": args.batch.target, "batching": args.batching},
             "threads": threads, "host_allocator": allocator, "cpu_count": os.cpu_count(), "cpu": _cpu_name(),

@@ -150,7 +150,7 @@ def peak_matmul():
 # ---- the phase -------------------------------------------------------------------------------------------------
 def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, log,
         batch_shape: BatchShape = BATCH, only: list[str] | None = None) -> tuple[list, dict]:
-    log(f"building stock T5 and {len(only) + 1 if only else len(method_rows())} method rows at {shape} "
+    log(f"building stock T5 and {len(set(only) | {'mtl'}) if only else len(method_rows())} method rows at {shape} "
         f"({n_tasks} tasks)")
     models, errors = build_rows(shape, n_tasks, only)
     batch = make_batch(models["stock"].config.vocab_size, n_tasks, batching, batch_shape)
@@ -170,7 +170,15 @@ def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, lo
     log(f"timing {len(pool.entries)} entries interleaved: 1 warm-up + {reps} rounds")
     timings, failed = pool.run(reps, log)
     rows = [r for r in models if r not in ("stock", "mtl")]
-    return [f for f in figures(groups, rows, timings, flops) if f is not None], {**errors, **failed}
+    out = [f for f in figures(groups, rows, timings, flops) if f is not None]
+    for f in out:  # the batch these were timed on, read off its tensors
+        f.parts["batch_shape"] = batch_shape_of(batch)
+    return out, {**errors, **failed}
+
+
+def batch_shape_of(batch: dict) -> list[int]:
+    """[rows, source tokens, target tokens] of a batch."""
+    return [*batch["input_ids"].shape, batch["labels"].shape[1]]
 
 
 def figures(groups: set[str], rows: list[str], timings: dict, flops: dict[str, int]) -> list[Figure | None]:

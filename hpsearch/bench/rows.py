@@ -32,12 +32,13 @@ BATCH = BatchShape()  # the issue's: 32 x (64 + 8) tokens
 
 def method_rows() -> list[tuple[str, str, dict]]:
     """(row, method, hparams): every method of the registry with its defaults; HyperPrompt once per variant."""
-    from hpsearch.model.config import METHODS  # the registry's methods (METHOD_CLASSES), named without torch
+    from hpsearch.model.config import METHODS, VARIANTS  # the registry's methods (METHOD_CLASSES), without torch
 
+    variants = sorted(VARIANTS, key=lambda v: v != "global")  # the paper's own variant first
     rows = []
     for method in METHODS:
         if method == "hyperprompt":
-            rows += [(f"hyperprompt-{v}", method, {**HYPERPROMPT, "variant": v}) for v in ("global", "share", "sep")]
+            rows += [(f"hyperprompt-{v}", method, {**HYPERPROMPT, "variant": v}) for v in variants]
         else:
             rows.append((method, method, {}))
     return rows

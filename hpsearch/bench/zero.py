@@ -69,7 +69,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log, batch_shape=Non
     import deepspeed
     import psutil
 
-    from hpsearch.bench.models import make_batch
+    from hpsearch.bench.models import batch_shape_of, make_batch
     from hpsearch.bench.rows import BATCH
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
@@ -114,4 +114,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log, batch_shape=Non
                      f"train step, one DeepSpeed ZeRO-{s} rank (recipe's config) ÷ plain torch loop, same model"
                      + (" (the default, zero_stage=auto, picks it here)" if s == auto else ""))
                for s in stages]
-    return [f for f in figures if f is not None], errors
+    figures = [f for f in figures if f is not None]
+    for f in figures:  # the batch these were timed on, read off its tensors
+        f.parts["batch_shape"] = batch_shape_of(batch)
+    return figures, errors
