@@ -119,17 +119,21 @@ def test_bad_input_is_one_line_before_anything_starts(name, table, tmp_path):
 
 
 def test_reading_and_checking_a_config_imports_no_heavy_library():
-    """The checks before anything starts parse arguments and read and validate the space and run config; none of
-    that needs torch, transformers, scikit-learn, Ray, MLflow, Optuna or DeepSpeed, so a mistake is said at once
-    (importing them took ~5 s a command here)."""
+    """The checks before anything starts parse arguments and read and validate the space and run config (and the
+    benchmark's options); none of that needs torch, transformers, scikit-learn, Ray, MLflow, Optuna, DeepSpeed or
+    the model library beyond its configs, so a mistake is said at once (importing them took ~5 s a command here)."""
     code = ("import sys\n"
             "import hpsearch.tune.cli as cli\n"
+            "import hpsearch.bench.__main__ as bench\n"
             "from hpsearch.config import load_config\n"
             "cli.parse_args(['--num-samples', '2'])\n"
             "load_config(None, ['model.method=lora', 'train.lr=1e-3'])\n"
             "cli.load_space(str(cli.DEFAULT_SPACE), ['budget.trials=2'])\n"
+            "bench.parse_args(['--batch', '8x32+4', '--methods', 'lora', 'hyperprompt-sep', '--shape', 't5-base'])\n"
             "heavy = ('torch', 'transformers', 'sklearn', 'ray', 'mlflow', 'optuna', 'deepspeed', 'tokenizers')\n"
-            "print(sorted(m for m in heavy if m in sys.modules))\n")
+            "light = ('hpsearch.model.backbones', 'hpsearch.model.config')\n"
+            "print(sorted(m for m in heavy if m in sys.modules)\n"
+            "      + sorted(m for m in sys.modules if m.startswith('hpsearch.model.') and m not in light))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

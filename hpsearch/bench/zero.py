@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from hpsearch.bench.rows import BATCH, BatchShape
 from hpsearch.bench.timing import Pool, ratio
 
 GOAL = 1.10
@@ -64,13 +65,13 @@ def engine_step(model, cfg, batch):
     return step, engine
 
 
-def run(shape: str, n_tasks: int, reps: int, batching: str, log, batch_shape=None) -> tuple[list, dict]:
+def run(shape: str, n_tasks: int, reps: int, batching: str, log,
+        batch_shape: BatchShape = BATCH) -> tuple[list, dict]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import psutil
 
     from hpsearch.bench.models import batch_shape_of, make_batch
-    from hpsearch.bench.rows import BATCH
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
     from hpsearch.train.dsconfig import auto_zero_stage
@@ -78,7 +79,6 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log, batch_shape=Non
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")
-    batch_shape = batch_shape or BATCH
     cfg = load_config(None, [f"model.backbone={shape}", f"train.micro_batch_size={batch_shape.rows}",
                              "train.num_workers=1"])
     stages = [3, 0]
