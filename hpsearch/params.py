@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from hpsearch.cli import Parser, run_main
 from hpsearch.config import load_config
 from hpsearch.errors import ConfigError
-from hpsearch.model import build_from_config
 
 MAX_TASKS = 100_000  # a task embedding table per task: beyond this the meta build itself takes minutes
 
 
 def count(cfg, num_tasks: int) -> dict:
+    import torch  # here, not above: the command's checks say a mistake before torch loads (~5 s)
+
+    from hpsearch.model import build_from_config
     with torch.device("meta"):
         model = build_from_config(cfg.model, [f"task{i}" for i in range(num_tasks)])
     extra = model.extra_parameters()
@@ -70,6 +70,8 @@ def main(argv: list[str]) -> int:
     num_tasks = args.num_tasks if args.num_tasks is not None else len(cfg.data.tasks)
     if not 1 <= num_tasks <= MAX_TASKS:
         raise ConfigError(f"--num-tasks: {num_tasks}; expected an integer in [1, {MAX_TASKS}]")
+    from hpsearch.model import check_local_backbone
+    check_local_backbone(cfg.model.backbone)
     report = count(cfg, num_tasks)
     if args.json:
         print(json.dumps(report))

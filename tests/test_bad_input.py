@@ -137,3 +137,40 @@ def test_reading_and_checking_a_config_imports_no_heavy_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+HEAVY = ("torch", "transformers", "sklearn", "ray", "mlflow", "optuna", "deepspeed")
+
+
+@pytest.mark.parametrize("module, args, phrase", [
+    ("hpsearch.tune.cli", ["resources.workers=64"], "one trial needs 57.7 CPU"),
+    ("hpsearch.params", ["model.backbone=./no-such-folder"], "no such directory"),
+    ("hpsearch.params", ["--num-tasks", "0"], "--num-tasks: 0"),
+    ("hpsearch.compare.cli", ["methods.mtl.method=nope"], "'nope' is not a method"),
+    ("hpsearch.compare.cli", ["--from-study", "nope"], "no study 'nope'"),
+    ("hpsearch.compare.cli", ["resources.workers=64"], "one trial needs"),
+    ("hpsearch.pretrain.__main__", ["data.source=synthetic", "model.backbone=t5-tiny", "corpus.path=leaky"],
+     "validation.jsonl is a validation or test file"),
+], ids=["tune fits", "params backbone", "params tasks", "compare method", "compare study", "compare fits",
+        "pretrain corpus"])
+def test_a_mistake_is_said_before_any_heavy_library_loads(module, args, phrase, tmp_path):
+    """The commands check everything they can before importing torch, transformers, Ray or MLflow (each took ~5 s
+    to say these mistakes, importing them first): the error is raised with none of them loaded."""
+    (tmp_path / "leaky" / "rte").mkdir(parents=True)
+    (tmp_path / "leaky" / "rte" / "validation.jsonl").write_text('{"text": "scored on"}\n')
+    code = ("import importlib, json, sys\n"
+            "from hpsearch.errors import UserError\n"
+            f"main = importlib.import_module({module!r}).main\n"
+            "try:\n"
+            f"    main({args!r})\n"
+            "    message = None\n"
+            "except UserError as e:\n"
+            "    message = str(e)\n"
+            f"print(json.dumps([message, sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    message, loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert message and phrase in message, message
+    assert loaded == [], loaded

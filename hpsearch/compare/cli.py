@@ -44,7 +44,6 @@ def prepare(args: argparse.Namespace):
     """Everything a comparison needs, validated, before Ray or MLflow start:
     (comparison, state to save, backbone size per configuration, the suite's tasks, notes)."""
     from hpsearch.compare.fromstudy import apply_best
-    from hpsearch.compare.run import Comparison
     from hpsearch.compare.spec import load_spec
     from hpsearch.config import absolute_paths
     from hpsearch.tracking import DEFAULT_TRACKING_URI, resolve_tracking_uri
@@ -53,7 +52,6 @@ def prepare(args: argparse.Namespace):
         _check_fits,
         _next_free_study,
         _study_dir,
-        local_resources,
     )
     from hpsearch.tune.storage import open_storage
 
@@ -73,15 +71,16 @@ def prepare(args: argparse.Namespace):
     for cfg in [spec.config, *(m.config for m in spec.methods)]:
         absolute_paths(cfg)
     tasks = _tasks(spec.config)
-    sizes = {}
     for entry in spec.entries():
         _check_backbone(entry.config)
-        sizes[entry.label] = backbone_size(entry.config, tasks)
     storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
-        _check_fits(spec, local_resources())
+        _check_fits(spec)
+    # last: building each configuration on the meta device imports torch and the model library (~5 s)
+    sizes = {entry.label: backbone_size(entry.config, tasks) for entry in spec.entries()}
     state = {"name": name, "spec_path": str(spec_path), "spec_text": spec.text, "overrides": overrides,
              "from_study": args.from_study, "tracking_uri": uri}
+    from hpsearch.compare.run import Comparison  # Ray Tune: after the checks, so a mistake is said at once
     return Comparison(name, where, spec, storage=storage), state, sizes, tasks, notes
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from hpsearch.compare.spec import Method, Spec
 from hpsearch.config import RunConfig
-from hpsearch.tracking import TrialRuns
 from hpsearch.tune.storage import Storage, open_storage
+from hpsearch.tune.trialruns import TrialRuns
 
 STATE_FILE, SPEC_COPY = "hpsearch-compare.json", "spec.yaml"
 LABEL_TAG, SEED_TAG, METHOD_TAG = "hpsearch.label", "hpsearch.seed", "hpsearch.method"

@@ -152,7 +152,7 @@ class Spec:
 # ---- reading ------------------------------------------------------------------------------------------------------
 def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
     """Read and validate a comparison spec (with `key=value` overrides); raise ConfigError on any mistake."""
-    from hpsearch.model import METHOD_CLASSES
+    from hpsearch.model.config import METHODS  # the registry's names (tested equal), without importing torch
 
     data, lines = read_yaml(path)
     at = Where(str(path), lines)
@@ -170,7 +170,7 @@ def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
     sections = {"budget": read_section(Budget, data, "budget", at),
                 "resources": read_section(Resources, data, "resources", at),
                 "stats": read_section(Stats, data, "stats", at), "probe": read_section(Probe, data, "probe", at)}
-    raw = _read_methods(data.get("methods"), at, METHOD_CLASSES)
+    raw = _read_methods(data.get("methods"), at, METHODS)
     seeds, seeds_at = data.get("seeds", 3), at("seeds")
 
     pinned: set[str] = set()
@@ -187,7 +187,7 @@ def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
             label, _, name = rest.partition(".")
             if label not in raw:
                 raise ConfigError(f"{where}: no method {label!r} in the spec; its methods: {', '.join(raw)}")
-            _add_method_field(raw[label], name, value, where, METHOD_CLASSES, f"methods.{label}")
+            _add_method_field(raw[label], name, value, where, METHODS, f"methods.{label}")
         elif head in ("model", "data", "train"):
             _not_set_by_comparison(key, where)
             set_field(cfg, key, value, where)
@@ -227,7 +227,7 @@ def _not_set_by_comparison(key: str, where: str) -> None:
         raise ConfigError(f"{where}: {key} is not set here ({SET_BY_COMPARISON[key]})")
 
 
-def _read_methods(methods: Any, at, registry: dict) -> dict[str, dict]:
+def _read_methods(methods: Any, at, registry: tuple[str, ...]) -> dict[str, dict]:
     """{label: {"method": str, "fields": {dotted: value}, "at": {dotted: where}}}, each key checked."""
     if not methods or not isinstance(methods, dict):
         raise ConfigError(f"{at('methods')}: methods: expected a mapping of label: {{method: <one of "
@@ -256,7 +256,7 @@ def _read_methods(methods: Any, at, registry: dict) -> dict[str, dict]:
     return raw
 
 
-def _add_method_field(item: dict, key: str, value: Any, where: str, registry: dict, prefix: str) -> None:
+def _add_method_field(item: dict, key: str, value: Any, where: str, registry: tuple[str, ...], prefix: str) -> None:
     """Check one field a method sets (`prefix`: how messages name the entry) and record it in `item`."""
     from hpsearch.model.config import COMMON_FIELDS, METHOD_FIELDS
 
@@ -285,13 +285,13 @@ def _add_method_field(item: dict, key: str, value: Any, where: str, registry: di
 
 
 def _build_method(label: str, entry: dict, shared: RunConfig, at) -> Method:
-    from hpsearch.model import METHOD_CLASSES
+    from hpsearch.model.config import METHODS
 
     cfg = copy.deepcopy(shared)
     cfg.model.method = entry["method"]
     for key, value in entry["fields"].items():  # again: an override may have changed the method
         _add_method_field({"method": entry["method"], "fields": {}, "at": {}}, key, value, entry["at"][key],
-                          METHOD_CLASSES, f"methods.{label}")
+                          METHODS, f"methods.{label}")
         set_field(cfg, key, value, entry["at"][key])
     try:
         cfg.validate()
@@ -373,7 +373,7 @@ def _read_sweep(sweep: Any, spec: Spec, at) -> Sweep | None:
     if not isinstance(key, str):
         raise ConfigError(f"{where}: sweep.field: {key!r}; expected <section>.<field>, e.g. "
                           "model.prompt_length_encoder")
-    from hpsearch.model import METHOD_CLASSES
+    from hpsearch.model.config import METHODS
 
     item = {"method": method.method, "fields": {}, "at": {}}
     where_values = at("sweep.values", "sweep")
@@ -381,7 +381,7 @@ def _read_sweep(sweep: Any, spec: Spec, at) -> Sweep | None:
         raise ConfigError(f"{where_values}: sweep.values: {values!r}; expected a non-empty list of values")
     out = []
     for value in values:
-        _add_method_field(item, key, value, where, METHOD_CLASSES, "sweep")
+        _add_method_field(item, key, value, where, METHODS, "sweep")
         probe = copy.deepcopy(method.config)
         set_field(probe, key, value, where_values)
         try:

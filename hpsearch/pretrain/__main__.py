@@ -68,11 +68,12 @@ def _check(cfg, corpus, resume_from) -> None:
     from hpsearch.model import check_local_backbone
     from hpsearch.model.backbones import backbone_config
     from hpsearch.pretrain.corpus import Chunks, read_corpus
-    from hpsearch.pretrain.objective import corpus_tokenizer
 
     check_local_backbone(cfg.model.backbone)
-    vocab = backbone_config(cfg.model.backbone, cfg.model.vocab_size).vocab_size
     texts = read_corpus(corpus, cfg.data)
+    # the backbone's config and the tokenizer import transformers and torch (~2 s): after the corpus' own checks
+    vocab = backbone_config(cfg.model.backbone, cfg.model.vocab_size).vocab_size
+    from hpsearch.pretrain.objective import corpus_tokenizer
     try:
         tokenizer = corpus_tokenizer(texts, vocab, corpus, cfg.data.cache_dir)
     except ValueError as e:

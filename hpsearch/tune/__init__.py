@@ -5,6 +5,7 @@
 - `study`: a study's folder, the trial (a Tune function trainable launching the training recipe's TorchTrainer),
   the Tuner (OptunaSearch TPE + ASHA), resume
 - `searcher`: OptunaSearch that records ASHA-stopped trials as pruned
+- `trialruns`: the Tune callback giving each trial its MLflow child run (the runs themselves: hpsearch.tracking)
 - `report`: best trial, trial table, Pareto front, importances, plots
 - `cli`: the command line
 """

@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     _check_backbone(space.config)
     storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
-        _check_fits(space, local_resources())
+        _check_fits(space)
     if state.get("optuna_storage"):  # last: creates the database (its tables) when it is new
         optuna_store.open_storage(state["optuna_storage"])
     return Study(name, study_dir, space, state.get("optuna_storage"), storage=storage), state
@@ -159,17 +159,23 @@ def _check_backbone(cfg) -> None:
     check_local_backbone(cfg.model.backbone)
 
 
-def local_resources() -> dict[str, float]:
-    """What a private local Ray offers: this machine's CPUs and CUDA devices."""
+def local_resources(gpus: bool = True) -> dict[str, float]:
+    """What a private local Ray offers: this machine's CPUs and, when `gpus`, its CUDA devices (counting them
+    imports torch, about 2 s here: a CPU-only study skips it, so its mistakes are said at once)."""
+    if not gpus:
+        return {"CPU": float(os.cpu_count() or 1)}
     import torch
     return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
 
 
-def _check_fits(space, cluster: dict[str, float]) -> None:
-    """A trial that can never be placed would wait forever: say so before Ray starts."""
+def _check_fits(space, cluster: dict[str, float] | None = None) -> None:
+    """A trial that can never be placed would wait forever: say so before Ray starts. `cluster`: what the cluster
+    offers (None: this machine, for a private local Ray)."""
     from hpsearch.tune.cluster import trial_resources
 
     t = space.config.train
+    if cluster is None:
+        cluster = local_resources(gpus="GPU" in trial_resources(space))
     driver = space.resources.driver_resource
     if driver and cluster.get(driver, 0.0) < 1:
         raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so no "
@@ -191,10 +197,11 @@ def main(argv: list[str]) -> int:
 
     import ray.tune
 
-    from hpsearch.tracking import StudyRun, TrialRuns
+    from hpsearch.tracking import StudyRun
     from hpsearch.train import init_ray
     from hpsearch.tune.cluster import concurrency, wait_for_nodes
     from hpsearch.tune.study import make_tuner, restore_tuner
+    from hpsearch.tune.trialruns import TrialRuns
 
     space = study.space
     init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
