@@ -244,6 +244,24 @@ def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_d
         False, True, True, True, False, False]  # auto: on GPU workers, whose shards live in device memory
 
 
+def test_the_ray_variables_every_run_sets_are_ones_this_ray_reads():
+    """The run's environment tunes Ray Train (its print patch, how often its controller polls the workers) and Tune
+    (how long a reused actor waits for a stopped trial's threads) by variable name: a name this Ray no longer reads
+    would silently do nothing. Each is in the list Ray keeps of the variables it reads, with a value it parses."""
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+    from ray.tune.constants import TUNE_ENV_VARS
+
+    from hpsearch.train.launch import runtime_env_vars
+    env = runtime_env_vars(load_config(None, []))
+    ray_vars = {k: v for k, v in env.items() if k.startswith(("RAY_TRAIN_", "TUNE_"))}
+    assert set(ray_vars) == {"RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
+                             "TUNE_FUNCTION_THREAD_TIMEOUT_S"}
+    assert set(ray_vars) <= ENV_VARS_TO_PROPAGATE | TUNE_ENV_VARS
+    assert float(ray_vars["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]) == 0.5
+    assert ray_vars["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
+    assert int(ray_vars["TUNE_FUNCTION_THREAD_TIMEOUT_S"]) == 60  # Tune reads it with int()
+
+
 def test_bad_override_is_one_line_error():
     proc = run_train("train.max_step=3", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

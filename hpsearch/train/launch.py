@@ -38,7 +38,10 @@ def runtime_env_vars(cfg: RunConfig) -> dict[str, str]:
            "TUNE_FUNCTION_THREAD_TIMEOUT_S": "60",
            # Ray Train's workers route print() through its logger, which writes the line to stderr and, as Ray
            # wraps the worker's stdout, to stdout as well: every line of the run twice on the user's terminal
-           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+           "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+           # Ray Train's controller polls its workers (their reports, their end) this often (default 2 s): a run's
+           # end reached `fit()` 5.4-6.6 s after its last step here, 2.9 s with 0.5 (2 workers, t5-tiny)
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
     if not cfg.train.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env
