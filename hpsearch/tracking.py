@@ -33,6 +33,16 @@ EXPERIMENT_PREFIX = "hpsearch/"  # beside MLflow's own `Default`: studies are hp
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI opens on runs, not GenAI traces
 
 
+def __getattr__(name: str):
+    """`hpsearch.tracking.TrialRuns`, where the study's Tune callback lived until 2026-11-25: a study saved before
+    then names it there in Tune's pickled state (tuner.pkl), and `--resume` unpickles that. Imported when asked for,
+    so importing this module imports no Ray."""
+    if name == "TrialRuns":
+        from hpsearch.tune.trialruns import TrialRuns
+        return TrialRuns
+    raise AttributeError(f"module 'hpsearch.tracking' has no attribute {name!r}")
+
+
 def experiment_name(study: str) -> str:
     return f"{EXPERIMENT_PREFIX}{study}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from mlflow import MlflowClient
 
 CREATE = """
@@ -27,3 +28,22 @@ def test_two_studies_on_a_new_sqlite_file(tmp_path):
         assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on runs
         (run,) = client.search_runs([experiment.experiment_id])
         assert run.info.status == "FINISHED"
+
+
+def test_a_study_saved_when_the_callback_lived_in_tracking_still_resumes():
+    """Tune pickles the study's callbacks into its state (tuner.pkl); a study saved before the callback moved to
+    hpsearch.tune.trialruns names it `hpsearch.tracking.TrialRuns`, and `--resume` unpickles that name."""
+    import pickle
+
+    from hpsearch.tune.trialruns import TrialRuns
+
+    callback = TrialRuns("sqlite:///x.db", "1", "parent", "study", trial_config=dict, outcome=max)
+    new = pickle.dumps(callback, protocol=0)
+    assert b"hpsearch.tune.trialruns\nTrialRuns\n" in new
+    old = new.replace(b"hpsearch.tune.trialruns\nTrialRuns\n", b"hpsearch.tracking\nTrialRuns\n")
+    restored = pickle.loads(old)
+    assert type(restored) is TrialRuns
+    assert (restored.tracking_uri, restored.parent_run_id, restored.study) == ("sqlite:///x.db", "parent", "study")
+    import hpsearch.tracking
+    with pytest.raises(AttributeError):
+        hpsearch.tracking.NoSuchName  # noqa: B018

@@ -73,11 +73,12 @@ def prepare(args: argparse.Namespace):
     tasks = _tasks(spec.config)
     for entry in spec.entries():
         _check_backbone(entry.config)
-    storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(spec)
-    # last: building each configuration on the meta device imports torch and the model library (~5 s)
+    # the checks above need no torch; building each configuration on the meta device (which also checks that it
+    # builds) imports torch and the model library (~5 s); then the storage folder is made (the last check)
     sizes = {entry.label: backbone_size(entry.config, tasks) for entry in spec.entries()}
+    storage.check_writable()
     state = {"name": name, "spec_path": str(spec_path), "spec_text": spec.text, "overrides": overrides,
              "from_study": args.from_study, "tracking_uri": uri}
     from hpsearch.compare.run import Comparison  # Ray Tune: after the checks, so a mistake is said at once
