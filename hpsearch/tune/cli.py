@@ -159,7 +159,7 @@ def _check_backbone(cfg) -> None:
     check_local_backbone(cfg.model.backbone)
 
 
-def local_resources(gpus: bool = True) -> dict[str, float]:
+def local_resources(gpus: bool) -> dict[str, float]:
     """What a private local Ray offers: this machine's CPUs and, when `gpus`, its CUDA devices (counting them
     imports torch, about 2 s here: a CPU-only study skips it, so its mistakes are said at once)."""
     if not gpus:
@@ -168,19 +168,18 @@ def local_resources(gpus: bool = True) -> dict[str, float]:
     return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
 
 
-def _check_fits(space, cluster: dict[str, float] | None = None) -> None:
-    """A trial that can never be placed would wait forever: say so before Ray starts. `cluster`: what the cluster
-    offers (None: this machine, for a private local Ray)."""
+def _check_fits(space) -> None:
+    """A trial that can never be placed on this machine (a private local Ray) would wait forever: say so before Ray
+    starts."""
     from hpsearch.tune.cluster import trial_resources
 
-    t = space.config.train
-    if cluster is None:
-        cluster = local_resources(gpus="GPU" in trial_resources(space))
+    t, needs = space.config.train, trial_resources(space)
+    cluster = local_resources(gpus="GPU" in needs)
     driver = space.resources.driver_resource
     if driver and cluster.get(driver, 0.0) < 1:
         raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so no "
                           "trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
-    for kind, need in trial_resources(space).items():
+    for kind, need in needs.items():
         have = cluster.get(kind, 0.0)
         if need > have + 1e-9:
             per_worker = t.cpus_per_worker if kind == "CPU" else t.gpus_per_worker
