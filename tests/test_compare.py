@@ -135,7 +135,7 @@ def test_spec_methods_overrides_and_seeds(tmp_path):
      "method mtl does not use prompt_length_encoder"),
     (("probe: {rows_per_task: 4", "probe: {rows_per_task: 0"), 12, "probe.rows_per_task: 0; expected an integer >= 1"),
     (("trial_cpus: 0.1}", "trial_cpus: 0.1, worker_group: ray}"), 11,
-     "resources.worker_group: 'ray'; expected auto or always"),
+     "resources.worker_group: 'ray'; expected auto or always or pool"),
 ])
 def test_spec_mistakes_are_one_line_naming_file_and_line(tmp_path, change, line, message):
     old, new = change

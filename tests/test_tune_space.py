@@ -103,7 +103,7 @@ def test_default_space_shape():
     ("name: t\nsearch: {}\n", r"space.yaml:2: search: nothing to search"),
     (BASE + "resources:\n  trial_cpus: 0\n", r"space.yaml:10: resources.trial_cpus: 0.0; expected a number > 0"),
     (BASE + "resources:\n  worker_group: never\n",
-     r"space.yaml:10: resources.worker_group: 'never'; expected auto or always"),
+     r"space.yaml:10: resources.worker_group: 'never'; expected auto or always or pool"),
     (BASE.replace("train.lr:", "train.lr: [1"), r"space.yaml:\d: malformed YAML"),
 ])
 def test_bad_space_is_one_line_error_with_line(tmp_path, text, match):
@@ -223,6 +223,23 @@ def test_a_one_worker_trial_is_one_bundle_in_its_own_actor_unless_told(tmp_path)
     assert not in_process(pinned) and trial_bundles(pinned) == [{"CPU": 0.1, "hpsearch_driver": 1.0}, {"CPU": 0.9}]
     two = space({"workers": 2})
     assert not in_process(two) and len(trial_bundles(two)) == 3
+
+
+def test_a_trial_on_kept_ranks_asks_for_every_bundle_and_reuses_its_actor(tmp_path):
+    """`worker_group: pool`: the trial's Tune actor asks for its own bundle and one per rank (its ranks start in
+    those), Tune reuses it; otherwise the actor asks for its first bundle only (Ray Train places its workers)."""
+    from hpsearch.tune.cluster import in_process, pooled, trial_placement
+    from hpsearch.tune.study import Study
+
+    def space(extra):
+        return load_space(write(tmp_path, BASE + "resources:\n  workers: 2\n  cpus_per_worker: 1\n" + extra))
+    pool = space("  worker_group: pool\n  driver_resource: hpsearch_driver\n")
+    assert pooled(pool) and not in_process(pool)
+    assert trial_placement(pool).bundles == [{"CPU": 0.1, "hpsearch_driver": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert Study("s", tmp_path / "s", pool).reuses_actors
+    group = space("  worker_group: auto\n")
+    assert not pooled(group) and trial_placement(group).bundles == [{"CPU": 0.1}]
+    assert not Study("s", tmp_path / "s", group).reuses_actors
 
 
 def test_autoscaler_verdict_needs_rounds_after_the_request_that_launch_nothing():

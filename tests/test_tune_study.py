@@ -3,9 +3,12 @@ recipe's TorchTrainer per trial) on this machine; the MLflow store is read back 
 import ipaddress
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -182,6 +185,66 @@ def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_
     assert "MB of checkpoints only a resume needed were removed" in out.stdout
 
 
+@pytest.mark.slow
+def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
+    """`resources.worker_group=pool`, two workers: the trial's Tune actor starts its two ranks once and Tune hands
+    actor and ranks to every next trial, also after ASHA stopped one inside its report (every rank leaves its loop
+    there, none is left waiting in a collective); each evaluation reaches MLflow once with its Optuna state, the
+    checkpoints hold both ranks' files and go at the end, and a trial's result does not depend on how it ran (the
+    same trial with Ray Train's worker group scores the same)."""
+    space = tmp_path / "loss.yaml"  # loss as ASHA's metric: trials differ at step 10, so ASHA stops one
+    space.write_text((ROOT / "search_spaces" / "default.yaml").read_text().replace(
+        "  - {metric: score, mode: max}", "  - {metric: loss, mode: min}"))
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        out = subprocess.run(tune_cmd(tmp_path, "pool", "--space", str(space), "--num-samples", "6", *SHORT,
+                                      "resources.workers=2", "resources.max_concurrent=1",
+                                      "resources.worker_group=pool"),
+                             cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "RAY_TMPDIR": ray_tmp})
+        assert out.returncode == 0, out.stderr[-3000:]
+        logs = {p.name: p.read_text(errors="replace") for p in Path(ray_tmp).glob("ray/session_*/logs/worker-*.out")}
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    started = [line for text in logs.values() for line in text.splitlines() if "ranks for this actor's trials" in line]
+    assert len(started) == 1 and "started 2 ranks" in started[0], started  # once, for all six trials
+    firsts = {name: text.count("[hpsearch.train] start-up ") for name, text in logs.items()}
+    assert sorted(n for n in firsts.values() if n) == [6], firsts  # one process was rank 0 of every trial
+    study_dir = tmp_path / "runs" / "pool"
+    results = [[json.loads(line) for line in (d / "result.json").read_text().splitlines()]
+               for d in sorted(study_dir.glob("trial_*"))]
+    assert len(results) == 6 and all(results)
+    assert len({row["pid"] for rows in results for row in rows}) == 1  # one Tune actor drove them
+    assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]  # no TorchTrainer ran
+    client, parents, children = study_runs(tmp_path, "pool")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and len(children) == 6
+    order = [c.data.tags["hpsearch.outcome"] for c in sorted(children, key=lambda c: c.info.start_time)]
+    assert "stopped" in order[:-1], order  # ASHA stopped a trial, and the same ranks trained the next
+    ostudy = optuna.load_study(study_name="pool", storage=f"sqlite:///{tmp_path}/optuna.db")
+    outcomes = sorted({"complete": "COMPLETE", "stopped": "PRUNED"}[c.data.tags["hpsearch.outcome"]] for c in children)
+    assert sorted(t.state.name for t in ostudy.trials) == outcomes
+    for child in children:
+        outcome = child.data.tags["hpsearch.outcome"]
+        assert steps(client, child.info.run_id) == ([10, 20] if outcome == "complete" else [10])
+        trial = study_dir / "trials" / child.data.tags["hpsearch.trial_id"]
+        assert (trial / "model" / "model.safetensors").is_file() == (outcome == "complete")
+    left = [p for pattern in ("trial_*/checkpoint_*", "train/*/checkpoint_*", "train/*/best")
+            for p in study_dir.glob(pattern)]
+    assert not left, left
+    # the same study's first trial (the same seeded draw) with Ray Train's worker group: the same losses and scores
+    again = subprocess.run(tune_cmd(tmp_path, "group", "--space", str(space), "--num-samples", "1", *SHORT,
+                                    "resources.workers=2", "resources.worker_group=always"),
+                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first = min(children, key=lambda c: c.info.start_time)
+    client, _, (alone,) = study_runs(tmp_path, "group")
+    searched = lambda run: {k: v for k, v in run.data.params.items() if k.startswith("model.") or k == "train.lr"}
+    assert searched(alone) == searched(first) and "model.variant" in searched(first)
+    for key in ("loss", "score", "best_score"):
+        assert [m.value for m in client.get_metric_history(alone.info.run_id, key)] == pytest.approx(
+            [m.value for m in client.get_metric_history(first.info.run_id, key)], rel=1e-4), key
+
+
 def wait_for(predicate, timeout, proc, poll=2.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -310,17 +373,23 @@ def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["2", "1"])  # Ray Train's worker group, or training in the trial's actor
-def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path, workers):
+@pytest.mark.parametrize("workers", ["2", "1", "pool"])  # Ray Train's worker group, training in the trial's actor,
+def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path, workers):  # or on kept ranks
     """What Ray's memory monitor does under pressure: SIGKILL a running trial's own driver (Tune's actor, owner of
-    the Train run, or with one worker the process training it) after its first evaluation. Tune retries the trial;
-    its new Train run starts once the old run's workers and placement group are released (no start-up timeout
-    waited out), continues from the step-100 checkpoint, and the study finishes with one MLflow child holding each
+    the Train run, or with one worker the process training it; with kept ranks, one of the two ranks) after its first
+    evaluation. Tune retries the trial; its new Train run (or new ranks) starts once the old run's workers and
+    placement group are released (no start-up timeout waited out), continues from the step-100 checkpoint (with kept
+    ranks: complete only with both ranks' files), and the study finishes with one MLflow child holding each
     evaluation once. (100 steps between the evaluations: with 10, a one-worker trial of t5-tiny logged the second
     0.4 s after the first, and finished before the kill.)"""
     budget = ["budget.max_steps=200", "budget.eval_every=100", "budget.grace_period=100", *SHORT[3:]]
-    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *budget, f"resources.workers={workers}"),
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    resources = ["resources.workers=2", "resources.worker_group=pool"] if workers == "pool" else \
+        [f"resources.workers={workers}"]
+    victim = "ray::Rank" if workers == "pool" else "ImplicitFunc"
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # the workers' logs (short: Ray's socket paths)
+    proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *budget, *resources),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_TMPDIR": ray_tmp})
 
     def evaluated_once():
         try:
@@ -330,16 +399,19 @@ def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_p
             return False
     try:
         assert wait_for(evaluated_once, 600, proc, poll=0.5), proc.stderr.read()[-3000:] if proc.poll() else ""
-        drivers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "ImplicitFunc" in " ".join(p.cmdline())]
-        assert len(drivers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
-        drivers[0].kill()
+        victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if victim in " ".join(p.cmdline())]
+        assert len(victims) == (2 if workers == "pool" else 1), \
+            [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+        victims[-1].kill()
         out, err = proc.communicate(timeout=600)
+        logs = "".join(p.read_text(errors="replace") for p in Path(ray_tmp).glob("ray/session_*/logs/worker-*.out"))
     finally:
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, err[-3000:]
     assert out.count(" restarted after a failure") == 1 and out.count(" started (1/1)") == 1, out[-3000:]
+    assert set(re.findall(r"resumed from \S+ at step (\d+)", logs)) == {"100"}, logs[-3000:]  # not from step 0
     client, parents, children = study_runs(tmp_path, "oom")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     (child,) = children

@@ -5,9 +5,10 @@ from the previous one, its model and data, DeepSpeed, its evaluations, export an
 MLflow and Optuna bookkeeping. Two studies of the same space and budget, one trial and `TRIALS` trials (one at a
 time), differ by `TRIALS - 1` trials: their wall-time difference, less those trials' training steps (each trial's
 own `step_time` × steps, from its metrics.jsonl), divided by `TRIALS - 1`, is a trial's fixed cost. Measured for
-one-worker trials that train in their own Tune actor (`resources.worker_group=auto`, the default for one worker)
-and, for contrast, the same trials each launching Ray Train's worker group (`always`). One run per point, after an
-untimed warm-up study that fills the tokenizer and page caches.
+one-worker trials that train in their own Tune actor (`resources.worker_group=auto`, the default for one worker),
+two-worker trials on the ranks their Tune actor keeps (`pool`), and, for contrast, the same trials each launching
+Ray Train's worker group (`always`). One run per point, after an untimed warm-up study that fills the tokenizer and
+page caches.
 """
 from __future__ import annotations
 
@@ -23,9 +24,21 @@ from hpsearch.bench.timing import Figure
 from hpsearch.bench.trial import _DIST_VARS, FIXED_COST_GOAL, SMALL_DATA, TIMEOUT_S
 
 STEPS, TRIALS = 8, 3
+# case: (figure name, workers, resources.worker_group, goal, what it measures)
+CASES = {
+    "auto": ("study/fixed_cost_in_actor", 1, "auto", FIXED_COST_GOAL,
+             "fixed cost of a trial in a study, one worker training in the trial's own Tune actor"),
+    "always": ("study/fixed_cost_worker_group", 1, "always", None,
+               "the same, each trial launching Ray Train's worker group (contrast)"),
+    "pool": ("study/fixed_cost_pool", 2, "pool", FIXED_COST_GOAL,
+             "fixed cost of a two-worker trial in a study, on the ranks its Tune actor keeps"),
+    "always-2": ("study/fixed_cost_worker_group_2", 2, "always", None,
+                 "the same two-worker trials, each launching Ray Train's worker group (contrast)"),
+}
 
 
-def _study(shape: str, tmp: Path, name: str, trials: int, worker_group: str, log) -> tuple[float, float]:
+def _study(shape: str, tmp: Path, name: str, trials: int, workers: int, worker_group: str,
+           log) -> tuple[float, float]:
     """(wall seconds, seconds its trials spent in training steps) of one study; a failure raises with its reason."""
     env = {**{k: v for k, v in os.environ.items() if k not in _DIST_VARS}, "PYTHONWARNINGS": "ignore",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -34,7 +47,7 @@ def _study(shape: str, tmp: Path, name: str, trials: int, worker_group: str, log
            "--storage-path", str(storage), "--tracking-uri", f"sqlite:///{tmp}/mlflow-{name}.db",
            "--optuna-storage", f"sqlite:///{tmp}/optuna-{name}.db", f"model.backbone={shape}",
            f"budget.max_steps={STEPS}", f"budget.eval_every={STEPS}", f"budget.grace_period={STEPS}",
-           f"train.log_every={STEPS}", *SMALL_DATA, "resources.workers=1", "resources.max_concurrent=1",
+           f"train.log_every={STEPS}", *SMALL_DATA, f"resources.workers={workers}", "resources.max_concurrent=1",
            f"resources.worker_group={worker_group}"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -51,31 +64,28 @@ def _study(shape: str, tmp: Path, name: str, trials: int, worker_group: str, log
     return wall, training
 
 
-def run_study(shape: str, log, groups=("auto", "always"), trials: int = TRIALS,
+def run_study(shape: str, log, groups=tuple(CASES), trials: int = TRIALS,
               warm_up: bool = True) -> tuple[list, dict]:
-    """The group's figures, and its error if a study failed. `groups`, `trials` and `warm_up` are for the smoke
-    test: the benchmark measures both groups, `TRIALS` trials, after a warm-up study."""
+    """The group's figures, and its error if a study failed. `groups` (keys of CASES), `trials` and `warm_up` are
+    for the smoke test: the benchmark measures every case, `TRIALS` trials, after a warm-up study."""
     figures = []
     with tempfile.TemporaryDirectory(prefix="hpsearch-bench-study-") as tmp:
         tmp = Path(tmp)
         try:
             if warm_up:
                 log("study: untimed warm-up study, 1 trial")
-                _study(shape, tmp, "warm", 1, "auto", log)
+                _study(shape, tmp, "warm", 1, 1, "auto", log)
             for group in groups:
-                goal = FIXED_COST_GOAL if group == "auto" else None
+                name, workers, worker_group, goal, what = CASES[group]
                 points = {}
                 for n in (1, trials):
-                    log(f"study: {n} trial(s), resources.worker_group={group}")
-                    points[n] = _study(shape, tmp, f"{group}-{n}", n, group, log)
+                    log(f"study: {n} trial(s), resources.workers={workers}, resources.worker_group={worker_group}")
+                    points[n] = _study(shape, tmp, f"{group}-{n}", n, workers, worker_group, log)
                 (w1, s1), (wn, sn) = points[1], points[trials]
                 fixed = ((wn - w1) - (sn - s1)) / (trials - 1)
-                what = ("fixed cost of a trial in a study, one worker training in the trial's own Tune actor"
-                        if group == "auto" else "the same, each trial launching Ray Train's worker group (contrast)")
-                figures.append(Figure(f"study/fixed_cost_{'in_actor' if group == 'auto' else 'worker_group'}",
-                                      fixed, goal, "lower", "s", what, parts={
-                                          "steps": STEPS, "trials": [1, trials], "wall_s": [w1, wn],
-                                          "training_s": [s1, sn]}))
+                figures.append(Figure(name, fixed, goal, "lower", "s", what, parts={
+                    "steps": STEPS, "trials": [1, trials], "workers": workers, "wall_s": [w1, wn],
+                    "training_s": [s1, sn]}))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             return figures, {"study": str(e)[:400]}
     return figures, {}

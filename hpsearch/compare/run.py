@@ -66,6 +66,15 @@ class Comparison:
         from hpsearch.tune.cluster import in_process
         return in_process(self.spec)
 
+    @property
+    def pooled(self) -> bool:
+        from hpsearch.tune.cluster import pooled
+        return pooled(self.spec)
+
+    @property
+    def reuses_actors(self) -> bool:
+        return self.in_process or self.pooled
+
     def outcome(self, last_result: dict, failed: bool) -> str:
         if failed:
             return "failed"
@@ -124,7 +133,7 @@ def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     param_space = {"method": ray.tune.grid_search([m.label for m in spec.entries()]),
                    "seed": ray.tune.grid_search(spec.seeds)}
     tune_config = ray.tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent,
-                                      trial_dirname_creator=trial_dirname, reuse_actors=comparison.in_process)
+                                      trial_dirname_creator=trial_dirname, reuse_actors=comparison.reuses_actors)
     trials = len(spec.entries()) * len(spec.seeds)
     events = TrialEvents(trials, spec.config.train.max_steps, max_concurrent, comparison.outcome)
     # the console: a study's one line per trial event instead of Tune's status table (verbose=0)

@@ -5,7 +5,8 @@ server listens on every interface (`::`), whatever `MASTER_ADDR` says: on a priv
 unauthenticated key-value store on the machine's network while everything else listened on 127.0.0.1. Here
 rank 0 binds the listening socket itself, on its node's Ray address (127.0.0.1 on a private local Ray; the
 node's IP on a cluster, which the other nodes need), and hands it to the store (`master_listen_fd`); the other
-ranks connect to it. Everything else is Ray Train's backend as it is (environment variables, shutdown)."""
+ranks connect to it. Everything else is Ray Train's backend as it is (environment variables, shutdown). The
+search's rank pool (tune/rankpool.py) joins its ranks the same way."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from ray.train.torch.config import TorchConfig, _set_torch_distributed_env_vars,
 _listener: socket.socket | None = None  # rank 0's bound socket: lives as long as the worker process and its store
 
 
-def _bind_store_socket() -> tuple[str, int]:
+def bind_store_socket() -> tuple[str, int]:
     """Rank 0: a listening socket on this node's Ray address; returns that address and the port."""
     import ray
 
@@ -29,8 +30,8 @@ def _bind_store_socket() -> tuple[str, int]:
     return addr, _listener.getsockname()[1]
 
 
-def _join_process_group(backend: str, world_rank: int, world_size: int, addr: str, port: int,
-                        timeout_s: int) -> None:
+def join_process_group(backend: str, world_rank: int, world_size: int, addr: str, port: int,
+                       timeout_s: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
@@ -46,9 +47,9 @@ class _BoundTorchBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: TorchConfig):
         import ray
 
-        addr, port = worker_group.execute_single(0, _bind_store_socket)
+        addr, port = worker_group.execute_single(0, bind_store_socket)
         worker_group.execute(_set_torch_distributed_env_vars)
-        ray.get([worker_group.execute_single_async(i, _join_process_group, backend=backend_config.backend,
+        ray.get([worker_group.execute_single_async(i, join_process_group, backend=backend_config.backend,
                                                    world_rank=i, world_size=len(worker_group), addr=addr,
                                                    port=port, timeout_s=backend_config.timeout_s)
                  for i in range(len(worker_group))])

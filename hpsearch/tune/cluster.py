@@ -26,6 +26,11 @@ def in_process(space: SearchSpace) -> bool:
     return space.config.train.num_workers == 1 and r.worker_group == "auto" and not r.driver_resource
 
 
+def pooled(space: SearchSpace) -> bool:
+    """Whether a trial trains on ranks its Tune actor keeps from trial to trial (`resources.worker_group=pool`)."""
+    return space.resources.worker_group == "pool"
+
+
 def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
     """One trial's demand as placement bundles: its driver, then each Train worker; a trial that trains in its own
     actor (`in_process`) is one bundle, the two summed."""
@@ -39,9 +44,11 @@ def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
 
 def trial_placement(space: SearchSpace):
     """What the trial's Tune actor asks for: its first bundle (the driver's, or the whole of an in-process trial;
-    Ray Train places its workers itself)."""
+    Ray Train places its workers itself), and with `resources.worker_group=pool` every bundle (its ranks start in
+    bundles 1..N of the actor's placement group, kept with the actor from trial to trial)."""
     from ray.tune import PlacementGroupFactory
-    return PlacementGroupFactory(trial_bundles(space)[:1])
+    bundles = trial_bundles(space)
+    return PlacementGroupFactory(bundles if pooled(space) else bundles[:1])
 
 
 def wait_for_nodes(space: SearchSpace, say) -> None:

@@ -23,7 +23,7 @@ class Budget:
     wait_for_nodes_s: float = 600.0     # on a cluster: how long to wait for nodes that fit one trial, then give up
 
 
-WORKER_GROUPS = ("auto", "always")
+WORKER_GROUPS = ("auto", "always", "pool")
 
 
 @dataclass
@@ -36,7 +36,8 @@ class Resources:
     driver_resource: str | None = None  # a custom resource only the head offers (e.g. hpsearch_driver): each trial's
                                         # driver takes 1, so drivers stay on the head and workers go to worker nodes
     worker_group: str = "auto"          # auto: a one-worker trial trains in its Tune actor (no Ray Train worker
-                                        # group; actors reused across trials); always: a TorchTrainer per trial
+                                        # group; actors reused across trials); always: a TorchTrainer per trial;
+                                        # pool: ranks the trial's Tune actor keeps from trial to trial (rankpool.py)
 
 
 @dataclass

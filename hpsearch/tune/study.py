@@ -68,6 +68,17 @@ class Study:
         from hpsearch.tune.cluster import in_process
         return in_process(self.space)
 
+    @property
+    def pooled(self) -> bool:
+        """Trials train on ranks their Tune actor keeps from trial to trial (cluster.pooled)."""
+        from hpsearch.tune.cluster import pooled
+        return pooled(self.space)
+
+    @property
+    def reuses_actors(self) -> bool:
+        """Tune hands a finished trial's actor (its imports, its ranks) to the next trial."""
+        return self.in_process or self.pooled
+
     def outcome(self, last_result: dict, failed: bool) -> str:
         """complete (ran the whole budget), stopped (ASHA stopped it early, or interrupted) or failed."""
         if failed:
@@ -123,7 +134,8 @@ def load_state(study_dir: Path) -> dict:
 # ---- one trial (runs in a Tune actor) -----------------------------------------------------------------------------
 def run_trial(config: dict[str, Any], study: Study) -> None:
     """A Tune function trainable: train this trial's run config with the training recipe, in this actor for one
-    worker (`study.in_process`, see inprocess.py), else with its TorchTrainer."""
+    worker (`study.in_process`, see inprocess.py), on the ranks this actor keeps (`study.pooled`, rankpool.py), else
+    with its TorchTrainer."""
     import ray.tune
 
     from hpsearch.train import failure_reason
@@ -144,6 +156,8 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
     try:
         if study.in_process:
             _train_in_this_actor(cfg, f"{storage_path}/{trial_id}", storage_fs, watch, export_to)
+        elif study.pooled:
+            _train_on_kept_ranks(cfg, f"{storage_path}/{trial_id}", storage_fs, watch, export_to)
         else:
             _train_with_ray_train(cfg, trial_id, storage_path, storage_fs, watch, export_to)
     except Exception as e:  # Ray Train wraps the worker's error with its traceback; ours is raised here as it is
@@ -180,6 +194,15 @@ def _train_in_this_actor(cfg: RunConfig, train_path: str, train_fs, watch, expor
     train_loop(loop_config(cfg, system_metrics=watch, export_to=export_to, startup={"trial": started}),
                TuneSession(train_path, train_fs))
     free_trial_memory()  # nothing held while the actor waits for its next trial (or compare probes in it)
+
+
+def _train_on_kept_ranks(cfg: RunConfig, train_path: str, train_fs, watch, export_to) -> None:
+    started = time.time()
+    from hpsearch.train import loop_config
+    from hpsearch.tune.rankpool import train_in_pool
+
+    train_in_pool(cfg, train_path, train_fs, loop_config(cfg, system_metrics=watch, export_to=export_to,
+                                                         startup={"trial": started}))
 
 
 def deterministic(reason: str) -> bool:
@@ -242,7 +265,7 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     tune_config = ray.tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
                                       time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname,
-                                      reuse_actors=study.in_process)  # the next trial keeps the actor's imports
+                                      reuse_actors=study.reuses_actors)  # the next trial keeps the actor's imports
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
