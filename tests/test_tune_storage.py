@@ -122,22 +122,27 @@ def tune(tmp_path, *args, mirror: str, root: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["2", "1"])  # Ray Train's worker group, or training in the trial's actor
-def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path, workers):
+@pytest.mark.parametrize("workers", ["2", "1", "pool"])  # Ray Train's worker group, training in the trial's actor,
+def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path, workers):  # kept ranks
     root = f"studies-{workers}w"  # one bucket for the module: each case's study in a folder of its own
-    # a trial in its own actor is quick: 200 steps, so that the Ctrl-C comes while the second one trains
+    # a trial in its own actor or on kept ranks is quick: 200 steps, so that the Ctrl-C comes while the second trains
     budget = SHORT if workers == "2" else ["budget.max_steps=200", "budget.eval_every=100",
                                            "budget.grace_period=100", *SHORT[3:]]
-    cmd, env = tune(tmp_path, "--num-samples", "3", *budget, f"resources.workers={workers}", mirror="mirror-a",
-                    root=root)
+    resources = ["resources.workers=2", "resources.worker_group=pool"] if workers == "pool" else \
+        [f"resources.workers={workers}"]
+    cmd, env = tune(tmp_path, "--num-samples", "3", *budget, *resources, mirror="mirror-a", root=root)
     err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
     assert f"--storage-path s3://{BUCKET}/{root} --resume" in err
     stored = bucket_files(f"{root}/s3study")
     assert {"hpsearch-study.json", "space.yaml"} <= stored
     assert any(f.startswith("experiment_state") for f in stored)          # Tune's state is in the bucket
     assert any(f.startswith("train/") and "/checkpoint_" in f for f in stored)  # and the trials' checkpoints
-    if workers == "1":  # and Tune's pointer checkpoints of the trials that trained in their own actor
+    if workers != "2":  # and Tune's pointer checkpoints of the trials that trained in their own actor or ranks
         assert any(re.match(r"trial_[^/]+/checkpoint_", f) for f in stored), sorted(stored)
+    if workers == "pool":  # each checkpoint in the bucket lists both ranks' files (each rank's manifest)
+        folders = {m.group(0) for f in stored if (m := re.match(r"train/[^/]+/checkpoint_[^/]+", f))}
+        assert folders and all({f"{d}/manifest_rank_0.json", f"{d}/manifest_rank_1.json"} <= stored
+                               for d in folders), sorted(stored)
     _, _, before = study_runs(tmp_path, "s3study")
     done_before = {c.data.tags["hpsearch.trial_id"]: c.info.end_time for c in before if c.info.status == "FINISHED"}
 
@@ -162,7 +167,7 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
     kept = sorted(f for f in stored if re.search(r"(^|/)checkpoint_[^/]*/", f))
     assert not kept, kept  # the checkpoints' folders (Tune's pointers too) are pruned at the end: only a resume
     # needed them
-    if workers == "1":  # no Ray Train run wrote its state under train/<trial id>/; the best weights went too
+    if workers != "2":  # no Ray Train run wrote its state under train/<trial id>/; the best weights went too
         assert not [f for f in stored if f.startswith("train/")], sorted(stored)
     # an export read back from the bucket loads
     from pyarrow import fs

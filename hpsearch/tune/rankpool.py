@@ -4,12 +4,14 @@ torch.distributed process group, and Tune reuses the actor, ranks included, for 
 neither Ray Train's controller and worker group nor the workers' imports and rendezvous again.
 
 The ranks run the training loop as a Ray Train worker does; `PoolSession` is what it reports through. Every rank
-stores its own checkpoint files into `<study>/train/<trial id>/checkpoint_<step>` (with its manifest, last), then
-rank 0 hands the report to the trial's thread in the Tune actor, which reports it to Tune with a pointer checkpoint
-(as a one-worker trial does, inprocess.py) and answers whether the trial goes on; rank 0 broadcasts the answer, so
-when ASHA stops the trial inside that report every rank leaves its loop at the same point and the ranks stay
-usable. Any other end of a rank (an error, a dead process) ends the pool: its actors are killed (no rank is left
-waiting in a collective) and the next trial starts new ones."""
+stores its own checkpoint files into `<study>/train/<trial id>/checkpoint_<step>` (with its manifest, last; rank 0
+first clears what an earlier attempt left there), then rank 0 hands the report to the trial's thread in the Tune
+actor, which reports it to Tune with a pointer checkpoint (as a one-worker trial does, inprocess.py) and answers
+every rank: go on, or stop here (ASHA stopped the trial in that report), so every rank leaves its loop at the same
+point and the ranks stay usable. The ranks wait for that answer on a queue, not in a collective, so no
+torch.distributed timeout runs while Tune decides. Any other end of a rank (an error, a dead process) ends the pool:
+its actors are killed (no rank is left waiting in a collective) and the next trial starts new ones. As with Ray
+Train, the study's storage must be one every node reads and writes (a bucket, or a shared file system)."""
 from __future__ import annotations
 
 import queue
@@ -45,10 +47,15 @@ class Rank:
         from hpsearch.train.rendezvous import bind_store_socket
         return bind_store_socket()
 
+    def gpus(self) -> list[str]:
+        import ray
+        return [str(g) for g in ray.get_gpu_ids()]
+
     def join(self, backend: str, rank: int, world: int, addr: str, port: int, local: tuple[int, int, int, int],
-             timeout_s: int) -> int:
+             devices: list[str], timeout_s: int) -> int:
         """Join the pool's process group as `rank` of `world`; `local`: (local rank, ranks on this node, node rank,
-        nodes)."""
+        nodes); `devices`: the GPUs of every rank on this node, which each rank sees (as Ray Train shares them),
+        in the order of their local ranks, so that DeepSpeed's device LOCAL_RANK is this rank's own."""
         import os
 
         from hpsearch.train.rendezvous import join_process_group
@@ -56,6 +63,8 @@ class Rank:
         self.local_rank, self.local_world_size, self.node_rank, self.nodes = local
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(self.local_rank),
                           LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank))
+        if devices:  # before anything in this process starts CUDA
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         join_process_group(backend, rank, world, addr, port, timeout_s)
         return os.getpid()
 
@@ -74,23 +83,26 @@ class Rank:
                 self._reports.put((token, None))  # the trial's thread stops waiting for reports
             free_trial_memory()  # nothing held while the pool waits for the next trial
 
-    # rank 0 and the trial's thread
+    # the trial's thread, rank 0 and every rank
     def next_report(self, token: str) -> dict | None:
         """The next report of trial `token` (metrics and whether it has a checkpoint); None when its loop ended."""
-        while True:
-            got, item = self._reports.get()
-            if got == token:  # else a report of an earlier trial nobody read (it was stopped)
-                return item
+        return self._take(self._reports, token)
 
     def answer(self, token: str, go_on: bool) -> None:
         self._answers.put((token, go_on))
 
-    def report(self, token: str, item: dict) -> bool:
+    def put_report(self, token: str, item: dict) -> None:
         self._reports.put((token, item))
+
+    def wait_answer(self, token: str) -> bool:
+        return self._take(self._answers, token)
+
+    @staticmethod
+    def _take(q: queue.Queue, token: str):
         while True:
-            got, go_on = self._answers.get()
-            if got == token:
-                return go_on
+            got, item = q.get()
+            if got == token:  # else left by an earlier trial that was stopped or failed
+                return item
 
 
 class PoolSession(TuneSession):
@@ -110,24 +122,33 @@ class PoolSession(TuneSession):
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         """Every rank stores its files into the checkpoint, then rank 0 removes the older ones and reports; every
-        rank learns the driver's answer (go on, or stop here: PoolStopped)."""
+        rank waits for the driver's answer (go on, or stop here: PoolStopped)."""
         import torch
         import torch.distributed as dist
         target = f"{self.path}/checkpoint_{int(metrics['step']):06d}"
-        if checkpoint_dir:
+        # rank 0 decides for all: store (clearing what an earlier attempt left), or not at all (the checkpoint this
+        # run resumed from, reported again: complete already)
+        store = torch.zeros(1, dtype=torch.int32, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        if self.rank == 0 and checkpoint_dir and checkpoints.complete_step(self.fs, target, self.world_size) is None:
+            self._clear(target)
+            store += 1
+        dist.broadcast(store, src=0)
+        if checkpoint_dir and store.item():
             checkpoints.write_manifest(checkpoint_dir, self.rank)
-            if checkpoints.complete_step(self.fs, target, self.world_size) is None:  # else: resumed from it
-                self._store_mine(Path(checkpoint_dir), target)
+            self._store_mine(Path(checkpoint_dir), target)
         dist.barrier()  # every rank's files are there: the checkpoint is complete
-        go_on = True
         if self.rank == 0:
             if checkpoint_dir:
                 self._remove_all_but(target)
-            go_on = self._me.report(self._token, {"metrics": metrics, "checkpoint": bool(checkpoint_dir)})
-        flag = torch.tensor([int(go_on)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.broadcast(flag, src=0)
-        if not flag.item():
+            self._me.put_report(self._token, {"metrics": metrics, "checkpoint": bool(checkpoint_dir)})
+        if not self._me.wait_answer(self._token):
             raise PoolStopped()
+
+    def _clear(self, target: str) -> None:
+        if self.local:
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            self.fs.delete_dir_contents(target, missing_dir_ok=True)
 
     def _store_mine(self, source: Path, target: str) -> None:
         """This rank's files into the shared checkpoint folder (moved when local: written once), its manifest
@@ -159,15 +180,19 @@ class Pool:
         self.actors = [ray.remote(Rank).options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=i + 1)).remote() for i in range(t.num_workers)]
         try:
-            where = ray.get([a.where.remote() for a in self.actors])
-            nodes = list(dict.fromkeys(node for node, _ in where))  # in rank order of first appearance
+            where = [node for node, _ in ray.get([a.where.remote() for a in self.actors])]
+            gpus = ray.get([a.gpus.remote() for a in self.actors])
+            nodes = list(dict.fromkeys(where))  # in rank order of first appearance
             addr, port = ray.get(self.actors[0].bind.remote())
-            local = []
-            for i, (node, _) in enumerate(where):
-                same = [j for j, (n, _) in enumerate(where) if n == node]
-                local.append((same.index(i), len(same), nodes.index(node), len(nodes)))
-            self.pids = ray.get([a.join.remote("nccl" if t.use_gpu else "gloo", i, len(self.actors), addr, port,
-                                               local[i], 1800) for i, a in enumerate(self.actors)])
+            joins = []
+            for i, node in enumerate(where):
+                # a node's ranks: local ranks in the order of their GPUs, each sees them all (Ray Train's way)
+                same = sorted((j for j, n in enumerate(where) if n == node), key=lambda j: (gpus[j], j))
+                devices = list(dict.fromkeys(g for j in same for g in gpus[j]))
+                joins.append(self.actors[i].join.remote("nccl" if t.use_gpu else "gloo", i, len(self.actors), addr,
+                                                        port, (same.index(i), len(same), nodes.index(node),
+                                                               len(nodes)), devices, 1800))
+            self.pids = ray.get(joins)
         except BaseException:
             self.kill()
             raise
@@ -196,29 +221,33 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
         print(f"[hpsearch.tune] started {len(_pool.actors)} ranks for this actor's trials (pids "
               f"{', '.join(map(str, _pool.pids))}) in {time.time() - started:.1f} s", flush=True)
     pool, token = _pool, ray.tune.get_context().get_trial_id()
-    lead = pool.actors[0]
+    answer = lambda go_on: [a.answer.remote(token, go_on) for a in pool.actors]
     try:
-        runs = [a.run.remote(token, loop_config, train_path, train_fs, ray.tune.get_checkpoint())
+        live = [a.run.remote(token, loop_config, train_path, train_fs, ray.tune.get_checkpoint())
                 for a in pool.actors]
-        waiting, live = lead.next_report.remote(token), list(runs)
-        while True:
-            ready, _ = ray.wait([waiting, *live], num_returns=1)
-            if waiting not in ready:  # a rank's loop ended: an error raises here, else wait for rank 0's end
-                ray.get(ready[0])
-                live.remove(ready[0])
+        runs, waiting = list(live), pool.actors[0].next_report.remote(token)
+        while live:  # until every rank's loop ended; a rank's error (or death) raises at once
+            ready = ray.wait([waiting, *live] if waiting is not None else live, num_returns=1)[0][0]
+            if ready != waiting:
+                ray.get(ready)
+                live.remove(ready)
                 continue
             item = ray.get(waiting)
-            if item is None:
-                break
+            waiting = None
+            if item is None:  # rank 0's loop ended
+                continue
             try:
                 _report(item)
-            except BaseException:  # Tune stopped the trial in its report (ASHA): every rank stops there
-                lead.answer.remote(token, False)
-                ray.get(runs, timeout=600)
-                raise
-            lead.answer.remote(token, True)
-            waiting = lead.next_report.remote(token)
-        ray.get(runs)
+            except BaseException as stop:  # Tune stopped the trial in its report (ASHA): every rank stops there
+                answer(False)
+                try:
+                    ray.get(runs, timeout=30)  # within Tune's wait for this thread (TUNE_FUNCTION_THREAD_TIMEOUT_S)
+                except Exception:
+                    _pool.kill()
+                    _pool = None
+                raise stop
+            answer(True)
+            waiting = pool.actors[0].next_report.remote(token)
     except Exception:
         _pool.kill()  # no rank is left waiting in a collective; the next trial starts new ones
         _pool = None
