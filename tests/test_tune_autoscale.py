@@ -1,9 +1,9 @@
 """Autoscaling from a cluster YAML on this machine: `cluster/local-autoscale.yaml` with Ray's fake multi-node
 provider (its worker nodes are real raylets here, started and removed by the real autoscaler). A study submitted as
-a Ray job needs CPUs the head does not offer: the autoscaler starts worker nodes, the trials' Train workers run on
-them while the trials' drivers stay on the head (`resources.driver_resource`), every trial gets its MLflow child, and
-idle nodes go away. In a PID namespace of its own where the machine allows it, so `ray stop` stops only this
-cluster."""
+a Ray job needs CPUs the head does not offer: the autoscaler starts worker nodes, the trials' ranks (kept by each
+trial's actor, the default) run on them while the trials' drivers stay on the head (`resources.driver_resource`),
+every trial gets its MLflow child, and idle nodes go away. In a PID namespace of its own where the machine allows
+it, so `ray stop` stops only this cluster."""
 import json
 import sys
 import tempfile
@@ -62,7 +62,7 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
         api = "{api}"
         seen = {{"nodes": [[n.node_id, n.is_head_node] for n in list_nodes(address=api, detail=True, limit=1000)],
                 "workers": [a.node_id for a in list_actors(address=api, detail=True, limit=10000,
-                                                           filters=[("class_name", "=", "RayTrainWorker")])],
+                                                           filters=[("class_name", "=", "Rank")])],
                 "drivers": [a.node_id for a in list_actors(address=api, detail=True, limit=10000,
                                                            filters=[("class_name", "=", "ImplicitFunc")])]}}
         # Ray Train's autoscaling coordinator keeps a finished run's resource request until it expires (180 s),
@@ -96,7 +96,7 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
     head_ids = {node for node, is_head in state["nodes"] if is_head}
     worker_ids = {node for node, is_head in state["nodes"] if not is_head}
     assert worker_ids, state  # the autoscaler launched worker nodes for the trials
-    assert state["workers"] and set(state["workers"]) <= worker_ids, state  # Train workers ran on them
+    assert state["workers"] and set(state["workers"]) <= worker_ids, state  # the trials' ranks ran on them
     assert state["drivers"] and set(state["drivers"]) <= head_ids, state  # the trials' drivers on the head
     assert state["alive_workers_at_end"] == [], state  # idle nodes were removed
 

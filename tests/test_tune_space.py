@@ -226,8 +226,9 @@ def test_a_one_worker_trial_is_one_bundle_in_its_own_actor_unless_told(tmp_path)
 
 
 def test_a_trial_on_kept_ranks_asks_for_every_bundle_and_reuses_its_actor(tmp_path):
-    """`worker_group: pool`: the trial's Tune actor asks for its own bundle and one per rank (its ranks start in
-    those), Tune reuses it; otherwise the actor asks for its first bundle only (Ray Train places its workers)."""
+    """`worker_group: pool` (or `auto` with several workers): the trial's Tune actor asks for its own bundle and one
+    per rank (its ranks start in those), Tune reuses it; with `always` the actor asks for its first bundle only (Ray
+    Train places its workers)."""
     from hpsearch.tune.cluster import in_process, pooled, trial_placement
     from hpsearch.tune.study import Study
 
@@ -237,7 +238,8 @@ def test_a_trial_on_kept_ranks_asks_for_every_bundle_and_reuses_its_actor(tmp_pa
     assert pooled(pool) and not in_process(pool)
     assert trial_placement(pool).bundles == [{"CPU": 0.1, "hpsearch_driver": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
     assert Study("s", tmp_path / "s", pool).reuses_actors
-    group = space("  worker_group: auto\n")
+    assert pooled(space("  worker_group: auto\n"))  # the default, with several workers
+    group = space("  worker_group: always\n")
     assert not pooled(group) and trial_placement(group).bundles == [{"CPU": 0.1}]
     assert not Study("s", tmp_path / "s", group).reuses_actors
 

@@ -128,8 +128,8 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
     # a trial in its own actor or on kept ranks is quick: 200 steps, so that the Ctrl-C comes while the second trains
     budget = SHORT if workers == "2" else ["budget.max_steps=200", "budget.eval_every=100",
                                            "budget.grace_period=100", *SHORT[3:]]
-    resources = ["resources.workers=2", "resources.worker_group=pool"] if workers == "pool" else \
-        [f"resources.workers={workers}"]
+    resources = {"2": ["resources.workers=2", "resources.worker_group=always"], "1": ["resources.workers=1"],
+                 "pool": ["resources.workers=2"]}[workers]  # several workers: kept ranks unless told otherwise
     cmd, env = tune(tmp_path, "--num-samples", "3", *budget, *resources, mirror="mirror-a", root=root)
     err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
     assert f"--storage-path s3://{BUCKET}/{root} --resume" in err

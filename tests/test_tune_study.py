@@ -187,19 +187,18 @@ def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_
 
 @pytest.mark.slow
 def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
-    """`resources.worker_group=pool`, two workers: the trial's Tune actor starts its two ranks once and Tune hands
-    actor and ranks to every next trial, also after ASHA stopped one inside its report (every rank leaves its loop
-    there, none is left waiting in a collective); each evaluation reaches MLflow once with its Optuna state, the
-    checkpoints hold both ranks' files and go at the end, and a trial's result does not depend on how it ran (the
-    same trial with Ray Train's worker group scores the same)."""
+    """Two workers (`resources.worker_group=auto`, the default): the trial's Tune actor starts its two ranks once
+    and Tune hands actor and ranks to every next trial, also after ASHA stopped one inside its report (every rank
+    leaves its loop there, none is left waiting); each evaluation reaches MLflow once with its Optuna state, the
+    checkpoints go at the end, and a trial's result does not depend on how it ran (the same trial with Ray Train's
+    worker group scores the same)."""
     space = tmp_path / "loss.yaml"  # loss as ASHA's metric: trials differ at step 10, so ASHA stops one
     space.write_text((ROOT / "search_spaces" / "default.yaml").read_text().replace(
         "  - {metric: score, mode: max}", "  - {metric: loss, mode: min}"))
     ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
     try:
         out = subprocess.run(tune_cmd(tmp_path, "pool", "--space", str(space), "--num-samples", "6", *SHORT,
-                                      "resources.workers=2", "resources.max_concurrent=1",
-                                      "resources.worker_group=pool"),
+                                      "resources.workers=2", "resources.max_concurrent=1"),
                              cwd=tmp_path, capture_output=True, text=True, timeout=900,
                              env={**os.environ, "RAY_TMPDIR": ray_tmp})
         assert out.returncode == 0, out.stderr[-3000:]
@@ -374,7 +373,7 @@ def test_driver_killed_while_a_trial_finishes_loses_nothing_on_resume(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["2", "1", "pool"])  # Ray Train's worker group, training in the trial's actor,
-def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path, workers):  # or on kept ranks
+def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_path, workers):  # or kept ranks
     """What Ray's memory monitor does under pressure: SIGKILL a running trial's own driver (Tune's actor, owner of
     the Train run, or with one worker the process training it; with kept ranks, one of the two ranks) after its first
     evaluation. Tune retries the trial; its new Train run (or new ranks) starts once the old run's workers and
@@ -383,8 +382,8 @@ def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_p
     evaluation once. (100 steps between the evaluations: with 10, a one-worker trial of t5-tiny logged the second
     0.4 s after the first, and finished before the kill.)"""
     budget = ["budget.max_steps=200", "budget.eval_every=100", "budget.grace_period=100", *SHORT[3:]]
-    resources = ["resources.workers=2", "resources.worker_group=pool"] if workers == "pool" else \
-        [f"resources.workers={workers}"]
+    resources = {"2": ["resources.workers=2", "resources.worker_group=always"], "1": ["resources.workers=1"],
+                 "pool": ["resources.workers=2"]}[workers]  # several workers: kept ranks unless told otherwise
     victim = "ray::Rank" if workers == "pool" else "ImplicitFunc"
     ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # the workers' logs (short: Ray's socket paths)
     proc = subprocess.Popen(tune_cmd(tmp_path, "oom", "--num-samples", "1", *budget, *resources),

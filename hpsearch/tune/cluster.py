@@ -27,8 +27,11 @@ def in_process(space: SearchSpace) -> bool:
 
 
 def pooled(space: SearchSpace) -> bool:
-    """Whether a trial trains on ranks its Tune actor keeps from trial to trial (`resources.worker_group=pool`)."""
-    return space.resources.worker_group == "pool"
+    """Whether a trial trains on ranks its Tune actor keeps from trial to trial (rankpool.py):
+    `resources.worker_group=pool`, or `auto` when the trial does not train in its own actor (several workers, or a
+    `driver_resource`)."""
+    r = space.resources
+    return r.worker_group == "pool" or (r.worker_group == "auto" and not in_process(space))
 
 
 def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:

@@ -35,9 +35,9 @@ class Resources:
     max_concurrent: int | None = None   # None: as many trials as the cluster's CPUs/GPUs fit
     driver_resource: str | None = None  # a custom resource only the head offers (e.g. hpsearch_driver): each trial's
                                         # driver takes 1, so drivers stay on the head and workers go to worker nodes
-    worker_group: str = "auto"          # auto: a one-worker trial trains in its Tune actor (no Ray Train worker
-                                        # group; actors reused across trials); always: a TorchTrainer per trial;
-                                        # pool: ranks the trial's Tune actor keeps from trial to trial (rankpool.py)
+    worker_group: str = "auto"          # auto: a one-worker trial trains in its Tune actor, others on ranks the
+                                        # actor keeps (no Ray Train worker group; actors reused across trials);
+                                        # pool: always on kept ranks (rankpool.py); always: a TorchTrainer per trial
 
 
 @dataclass

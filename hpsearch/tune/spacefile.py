@@ -14,8 +14,9 @@ A space file has these top-level keys (every one optional):
     resources             per trial: workers, cpus_per_worker, gpus_per_worker (set train.*), trial_cpus (the
                           trial's own driver); max_concurrent (null: as many as the cluster fits); driver_resource
                           (a custom resource only the head has: trial drivers stay there); worker_group (auto: a
-                          one-worker trial trains in its own Tune actor, no Ray Train worker group; always; pool:
-                          ranks the trial's actor keeps from trial to trial)
+                          one-worker trial trains in its own Tune actor, others on ranks the actor keeps from trial
+                          to trial, no Ray Train worker group; pool: always on kept ranks; always: Ray Train's
+                          worker group per trial)
     sampler               Optuna TPE: seed, n_startup_trials, multivariate
     points_to_evaluate    configurations to try first, e.g. the paper's best
 
