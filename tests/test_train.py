@@ -322,6 +322,31 @@ def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():
     assert not lock.exists()
 
 
+@pytest.mark.slow
+def test_the_op_built_under_one_path_is_not_rebuilt_under_another():
+    """Two `ninja`s on one machine (the system's and the one installed with DeepSpeed) hash build commands
+    differently: a process whose PATH finds the system's first and one whose PATH finds the environment's first
+    (an activated venv, a `ray start` node) each rebuilt the other's op. The loads here use one ninja either way:
+    after the first process, the second adds nothing to the build log."""
+    import ninja
+    from torch.utils.cpp_extension import _get_build_directory
+
+    env_ninja = Path(ninja.BIN_DIR) / "ninja"
+    system = [d for d in ("/usr/bin", "/bin", "/usr/local/bin") if (Path(d) / "ninja").is_file()]
+    version = lambda exe: subprocess.run([str(exe), "--version"], capture_output=True, text=True).stdout.strip()
+    if not system or version(Path(system[0]) / "ninja") == version(env_ninja):
+        pytest.skip("this machine has one ninja version: nothing to tell apart")
+    log = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / ".ninja_log"
+    code = "from hpsearch.train.ops import load_ops, SHM_COMM; print(load_ops([SHM_COMM]))"
+    entries = []
+    for first in (system[0], ninja.BIN_DIR, system[0]):  # the system's ninja first on PATH, then the environment's
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "PATH": os.pathsep.join([first, os.environ.get("PATH", "")])}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0 and "ShareMemCommBuilder" in proc.stdout, proc.stderr[-2000:]
+        entries.append(len(log.read_text().splitlines()) if log.is_file() else 0)
+    assert entries[0] > 0 and entries[1] == entries[0] and entries[2] == entries[0], entries  # built once at most
+
+
 # ---- local loop ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_local_run_resume_equals_uninterrupted(tmp_path):

@@ -11,11 +11,18 @@ hangs in `FileBaton.wait`.
 before it touches the build directory, and DeepSpeed's own later loads are served from its in-process cache
 (`OpBuilder._loaded_ops`) without touching the directory, so a `lock` file found while holding the flock was left by
 a dead process and is removed.
+
+Every build runs the `ninja` installed with DeepSpeed (the `ninja` package), whatever `PATH` finds first. A
+machine often has two (the system's 1.11 and the package's 1.13 here), their build logs hash commands differently,
+and torch runs the first on `PATH`: a process with the environment's `bin` on `PATH` (an activated venv, a node
+started with `ray start` from it) and one without each took the other's build for stale and rebuilt the op, about
+30-40 s every time runs alternated.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import sys
 from pathlib import Path
 
@@ -39,12 +46,33 @@ def load_ops(names: list[str]) -> list[str]:
             fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
             try:
                 (build_dir / "lock").unlink(missing_ok=True)  # no live hpsearch process holds it: stale
-                with contextlib.redirect_stdout(sys.stderr):  # the builder prints; stdout is a run's result
+                # the builder prints; stdout is a run's result
+                with contextlib.redirect_stdout(sys.stderr), _ninja_of_this_environment():
                     builder.load(verbose=False)
             finally:
                 fcntl.flock(guard, fcntl.LOCK_UN)
         loaded.append(name)
     return loaded
+
+
+@contextlib.contextmanager
+def _ninja_of_this_environment():
+    """`PATH` starting with the `ninja` package's folder while torch builds (unchanged without the package)."""
+    try:
+        import ninja
+        first = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        first = None
+    path = os.environ.get("PATH")
+    if first:
+        os.environ["PATH"] = os.pathsep.join([first, path]) if path else first
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
 
 
 def ops_for(offload_optimizer: bool) -> list[str]:
