@@ -46,8 +46,8 @@ def load_ops(names: list[str]) -> list[str]:
             fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
             try:
                 (build_dir / "lock").unlink(missing_ok=True)  # no live hpsearch process holds it: stale
-                # the builder prints; stdout is a run's result
-                with contextlib.redirect_stdout(sys.stderr), _ninja_of_this_environment():
+                _ninja_of_this_environment()
+                with contextlib.redirect_stdout(sys.stderr):  # the builder prints; stdout is a run's result
                     builder.load(verbose=False)
             finally:
                 fcntl.flock(guard, fcntl.LOCK_UN)
@@ -55,24 +55,17 @@ def load_ops(names: list[str]) -> list[str]:
     return loaded
 
 
-@contextlib.contextmanager
-def _ninja_of_this_environment():
-    """`PATH` starting with the `ninja` package's folder while torch builds (unchanged without the package)."""
+def _ninja_of_this_environment() -> None:
+    """`PATH` starts with the `ninja` package's folder from now on in this process (unchanged without the package):
+    set once and never restored, so no other thread's build sees `PATH` change under it."""
     try:
         import ninja
         first = ninja.BIN_DIR
     except (ImportError, AttributeError):
-        first = None
-    path = os.environ.get("PATH")
-    if first:
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != first:
         os.environ["PATH"] = os.pathsep.join([first, path]) if path else first
-    try:
-        yield
-    finally:
-        if path is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = path
 
 
 def ops_for(offload_optimizer: bool) -> list[str]:

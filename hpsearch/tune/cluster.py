@@ -47,8 +47,9 @@ def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
 
 def trial_placement(space: SearchSpace):
     """What the trial's Tune actor asks for: its first bundle (the driver's, or the whole of an in-process trial;
-    Ray Train places its workers itself), and with `resources.worker_group=pool` every bundle (its ranks start in
-    bundles 1..N of the actor's placement group, kept with the actor from trial to trial)."""
+    Ray Train places its workers itself), and for a trial on kept ranks (`pooled`: `pool`, or `auto` with several
+    workers or a driver resource) every bundle (its ranks start in bundles 1..N of the actor's placement group, kept
+    with the actor from trial to trial)."""
     from ray.tune import PlacementGroupFactory
     bundles = trial_bundles(space)
     return PlacementGroupFactory(bundles if pooled(space) else bundles[:1])

@@ -65,6 +65,8 @@ class Rank:
                           LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank))
         if devices:  # before anything in this process starts CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+            import torch
+            torch.cuda.set_device(self.local_rank)  # as Ray Train does: the loop's device is this rank's own
         join_process_group(backend, rank, world, addr, port, timeout_s)
         return os.getpid()
 
@@ -177,9 +179,11 @@ class Pool:
         group = ray.util.get_current_placement_group()
         options = {"num_cpus": t.cpus_per_worker, "num_gpus": t.gpus_per_worker if t.use_gpu else 0,
                    "max_concurrency": 4}
-        self.actors = [ray.remote(Rank).options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=i + 1)).remote() for i in range(t.num_workers)]
+        self.actors = []
         try:
+            for i in range(t.num_workers):
+                self.actors.append(ray.remote(Rank).options(**options, scheduling_strategy=(
+                    PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i + 1))).remote())
             where = [node for node, _ in ray.get([a.where.remote() for a in self.actors])]
             gpus = ray.get([a.gpus.remote() for a in self.actors])
             nodes = list(dict.fromkeys(where))  # in rank order of first appearance
@@ -243,13 +247,13 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
                 try:
                     ray.get(runs, timeout=30)  # within Tune's wait for this thread (TUNE_FUNCTION_THREAD_TIMEOUT_S)
                 except Exception:
-                    _pool.kill()
+                    pool.kill()
                     _pool = None
                 raise stop
             answer(True)
             waiting = pool.actors[0].next_report.remote(token)
     except Exception:
-        _pool.kill()  # no rank is left waiting in a collective; the next trial starts new ones
+        pool.kill()  # no rank is left waiting in a collective; the next trial starts new ones
         _pool = None
         raise
 

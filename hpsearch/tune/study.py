@@ -1,9 +1,10 @@
-"""One study on Ray Tune: its folder, its trials (each launching the training recipe's TorchTrainer) and the Tuner.
+"""One study on Ray Tune: its folder, its trials (each training with the training recipe) and the Tuner.
 
-Ray runs Train V2, so a trial is a Tune *function* trainable that builds `hpsearch.train.build_trainer(...)` and
-calls `.fit()`; `TuneReportCallback` forwards rank 0's reports to Tune. `ray.tune.*` here, `ray.train.*` in the
-workers. Layout of `<storage>/<name>/`: Tune's experiment files and `trial_<id>/` folders, `train/<id>/` (Ray
-Train's checkpoints of that trial, so a retried or resumed trial continues from its last evaluation),
+A trial is a Tune *function* trainable: a one-worker trial trains in its Tune actor (inprocess.py), a trial with
+several workers on ranks its actor keeps from trial to trial (rankpool.py), and with `resources.worker_group=always`
+it builds `hpsearch.train.build_trainer(...)` (Ray Train V2) and calls `.fit()`, `TuneReportCallback` forwarding
+rank 0's reports to Tune. Layout of `<storage>/<name>/`: Tune's experiment files and `trial_<id>/` folders,
+`train/<id>/` (the trial's checkpoints, so a retried or resumed trial continues from its last evaluation),
 `trials/<id>/` (`train.output_dir`: config.yaml, task_params/, model/), `space.yaml` and `hpsearch-study.json`.
 """
 from __future__ import annotations
@@ -168,7 +169,7 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
                 marker.write_text(reason + "\n")
             except OSError:  # e.g. the disk is full: the retry then fails the same way, and says so again
                 marker.unlink(missing_ok=True)
-        if study.in_process and not deterministic(reason):
+        if (study.in_process or study.pooled) and not deterministic(reason):
             traceback.print_exc()  # the trial's log keeps the traceback, as a Train worker's does
         raise TrialFailed(reason) from None
 
