@@ -149,6 +149,24 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
 
 
+def check_six_trials_with_a_stop_in_between(tmp_path, name, study_dir):
+    """Six trials in MLflow under one finished parent, ASHA's stop before the last trial, Optuna's states as the
+    outcomes say, each evaluation once, exports for complete trials only; returns the MLflow children."""
+    client, parents, children = study_runs(tmp_path, name)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and len(children) == 6
+    order = [c.data.tags["hpsearch.outcome"] for c in sorted(children, key=lambda c: c.info.start_time)]
+    assert "stopped" in order[:-1], order
+    ostudy = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db")
+    outcomes = sorted({"complete": "COMPLETE", "stopped": "PRUNED"}[c.data.tags["hpsearch.outcome"]] for c in children)
+    assert sorted(t.state.name for t in ostudy.trials) == outcomes
+    for child in children:
+        outcome = child.data.tags["hpsearch.outcome"]
+        assert steps(client, child.info.run_id) == ([10, 20] if outcome == "complete" else [10])
+        trial = study_dir / "trials" / child.data.tags["hpsearch.trial_id"]
+        assert (trial / "model" / "model.safetensors").is_file() == (outcome == "complete")
+    return children
+
+
 @pytest.mark.slow
 def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_path):
     """`resources.workers=1`: every trial trains in its own Tune actor (no Ray Train controller or worker actors),
@@ -168,18 +186,8 @@ def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_
     assert len({row["pid"] for rows in results for row in rows}) == 1  # one actor trained every trial
     # no TorchTrainer ran: Ray Train writes its run's state under train/<trial id>/ (here only the best weights were)
     assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]
-    client, parents, children = study_runs(tmp_path, "inproc")
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and len(children) == 6
-    order = [c.data.tags["hpsearch.outcome"] for c in sorted(children, key=lambda c: c.info.start_time)]
-    assert "stopped" in order[:-1], order  # ASHA stopped a trial inside its report, and the actor trained the next
-    ostudy = optuna.load_study(study_name="inproc", storage=f"sqlite:///{tmp_path}/optuna.db")
-    outcomes = sorted({"complete": "COMPLETE", "stopped": "PRUNED"}[c.data.tags["hpsearch.outcome"]] for c in children)
-    assert sorted(t.state.name for t in ostudy.trials) == outcomes
-    for child in children:
-        outcome = child.data.tags["hpsearch.outcome"]
-        assert steps(client, child.info.run_id) == ([10, 20] if outcome == "complete" else [10])
-        trial = study_dir / "trials" / child.data.tags["hpsearch.trial_id"]
-        assert (trial / "model" / "model.safetensors").is_file() == (outcome == "complete")
+    # ASHA stopped a trial inside its report, and the actor trained the next
+    check_six_trials_with_a_stop_in_between(tmp_path, "inproc", study_dir)
     left = [p for pattern in ("trial_*/checkpoint_*", "train/*/best") for p in study_dir.glob(pattern)]
     assert not left, left
     assert "MB of checkpoints only a resume needed were removed" in out.stdout
@@ -215,18 +223,8 @@ def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
     assert len(results) == 6 and all(results)
     assert len({row["pid"] for rows in results for row in rows}) == 1  # one Tune actor drove them
     assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]  # no TorchTrainer ran
-    client, parents, children = study_runs(tmp_path, "pool")
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED" and len(children) == 6
-    order = [c.data.tags["hpsearch.outcome"] for c in sorted(children, key=lambda c: c.info.start_time)]
-    assert "stopped" in order[:-1], order  # ASHA stopped a trial, and the same ranks trained the next
-    ostudy = optuna.load_study(study_name="pool", storage=f"sqlite:///{tmp_path}/optuna.db")
-    outcomes = sorted({"complete": "COMPLETE", "stopped": "PRUNED"}[c.data.tags["hpsearch.outcome"]] for c in children)
-    assert sorted(t.state.name for t in ostudy.trials) == outcomes
-    for child in children:
-        outcome = child.data.tags["hpsearch.outcome"]
-        assert steps(client, child.info.run_id) == ([10, 20] if outcome == "complete" else [10])
-        trial = study_dir / "trials" / child.data.tags["hpsearch.trial_id"]
-        assert (trial / "model" / "model.safetensors").is_file() == (outcome == "complete")
+    # ASHA stopped a trial, and the same ranks trained the next
+    children = check_six_trials_with_a_stop_in_between(tmp_path, "pool", study_dir)
     left = [p for pattern in ("trial_*/checkpoint_*", "train/*/checkpoint_*", "train/*/best")
             for p in study_dir.glob(pattern)]
     assert not left, left

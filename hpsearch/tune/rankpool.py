@@ -175,7 +175,7 @@ class Pool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         t = cfg.train
-        self.key = (t.num_workers, t.cpus_per_worker, t.use_gpu, t.gpus_per_worker)
+        self.key = _key(cfg)
         group = ray.util.get_current_placement_group()
         options = {"num_cpus": t.cpus_per_worker, "num_gpus": t.gpus_per_worker if t.use_gpu else 0,
                    "max_concurrency": 4}
@@ -207,6 +207,12 @@ class Pool:
             ray.kill(a, no_restart=True)
 
 
+def _key(cfg) -> tuple:
+    """What a pool's ranks are: a trial asking for other ones gets a new pool."""
+    t = cfg.train
+    return t.num_workers, t.cpus_per_worker, t.use_gpu, t.gpus_per_worker
+
+
 def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
     """One trial on this Tune actor's ranks (started on its first trial, or after a failure ended them): reports
     reach Tune from here; ASHA's stop (Tune's SystemExit in the report) is passed to every rank."""
@@ -214,9 +220,7 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
     import ray
     import ray.tune
 
-    t = cfg.train
-    key = (t.num_workers, t.cpus_per_worker, t.use_gpu, t.gpus_per_worker)
-    if _pool is not None and _pool.key != key:
+    if _pool is not None and _pool.key != _key(cfg):
         _pool.kill()
         _pool = None
     if _pool is None:
