@@ -244,6 +244,29 @@ def test_a_trial_on_kept_ranks_asks_for_every_bundle_and_reuses_its_actor(tmp_pa
     assert not Study("s", tmp_path / "s", group).reuses_actors
 
 
+def test_a_kept_rank_on_a_node_that_does_not_see_the_storage_fails_the_trial_in_one_line(tmp_path):
+    """Ray Train's check, on kept ranks: the trial's thread marks the trial's folder, and a rank whose node does not
+    see it (here: each node's own disk, as a local storage path is on a cluster) fails with one line that a retry
+    would repeat, instead of storing its part of every checkpoint where no other rank reads it."""
+    from pyarrow import fs
+
+    from hpsearch.errors import UserError
+    from hpsearch.tune.rankpool import check_shared, mark_shared
+    from hpsearch.tune.study import deterministic
+
+    disk = lambda node: fs.SubTreeFileSystem(str((tmp_path / node).resolve()), fs.LocalFileSystem())
+    for node in ("head", "worker"):
+        (tmp_path / node).mkdir()
+    mark_shared(disk("head"), "study/train/t1")
+    check_shared(disk("head"), "study/train/t1", 0)  # a rank beside the trial's thread (or on shared storage)
+    with pytest.raises(UserError, match=r"rank 1 on node \S+ does not see study/train/t1.*bucket") as e:
+        check_shared(disk("worker"), "study/train/t1", 1)
+    assert deterministic(f"hpsearch.errors.UserError: {e.value}")  # the trial fails once, not retried
+    check_shared(disk("head"), "study/train/t1", 1)  # the marker stays for every trial on that folder
+    with pytest.raises(UserError):
+        check_shared(disk("head"), "study/train/t2", 1)  # each trial's own folder
+
+
 def test_autoscaler_verdict_needs_rounds_after_the_request_that_launch_nothing():
     """The autoscaler's reports (Ray's `__autoscaling_status` record) decide early only when several of its rounds
     after the request launched, started and lost no node; a launch, a pending node or a failure means: keep waiting."""

@@ -11,7 +11,10 @@ every rank: go on, or stop here (ASHA stopped the trial in that report), so ever
 point and the ranks stay usable. The ranks wait for that answer on a queue, not in a collective, so no
 torch.distributed timeout runs while Tune decides. Any other end of a rank (an error, a dead process) ends the pool:
 its actors are killed (no rank is left waiting in a collective) and the next trial starts new ones. As with Ray
-Train, the study's storage must be one every node reads and writes (a bucket, or a shared file system)."""
+Train, the study's storage must be one every node reads and writes (a bucket, or a shared file system): the trial's
+thread leaves a marker in the trial's folder and every rank looks for it before training (Ray Train's own check),
+so a rank on a node that does not see the storage fails the trial with one line instead of storing its part of
+each checkpoint where no other rank reads it."""
 from __future__ import annotations
 
 import queue
@@ -20,10 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpsearch.errors import UserError
 from hpsearch.train import checkpoints
 from hpsearch.tune.inprocess import TuneSession, free_trial_memory
 
 _pool = None  # this Tune actor's ranks, kept for its next trial
+MARKER = ".storage_marker"  # left by the trial's thread in the trial's folder; every rank must see it
 
 
 class PoolStopped(BaseException):
@@ -119,6 +124,7 @@ class PoolSession(TuneSession):
         self.node_rank, self.nodes = rank.node_rank, rank.nodes
         self.fs, self.path = filesystem or fs.LocalFileSystem(), train_path
         self.local = filesystem is None
+        check_shared(self.fs, self.path, self.rank)
         self._newest, self.unregistered = checkpoints.newest_unreported(self.fs, self.path, self.world_size, taken)
         self._resume_dir = None
 
@@ -207,6 +213,24 @@ class Pool:
             ray.kill(a, no_restart=True)
 
 
+def mark_shared(filesystem, train_path: str) -> None:
+    """The trial's thread marks the trial's folder before its ranks start (where the Tune actor sees the storage)."""
+    filesystem.create_dir(train_path)
+    with filesystem.open_output_stream(f"{train_path}/{MARKER}"):
+        pass
+
+
+def check_shared(filesystem, train_path: str, rank: int) -> None:
+    """A rank sees the marker of the trial's thread, or the storage is not shared: one line, not retried."""
+    import ray
+    from pyarrow import fs
+    if filesystem.get_file_info(f"{train_path}/{MARKER}").type == fs.FileType.NotFound:
+        raise UserError(f"storage: rank {rank} on node {ray.util.get_node_ip_address()} does not see {train_path}, "
+                        "which the trial wrote on another node; with ranks on several nodes the study's storage must "
+                        "be one every node reads and writes: a bucket (s3://...) or a shared file system mounted at "
+                        "the same path on every node")
+
+
 def _key(cfg) -> tuple:
     """What a pool's ranks are: a trial asking for other ones gets a new pool."""
     t = cfg.train
@@ -219,6 +243,7 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
     global _pool
     import ray
     import ray.tune
+    from pyarrow import fs
 
     if _pool is not None and _pool.key != _key(cfg):
         _pool.kill()
@@ -229,6 +254,7 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
         print(f"[hpsearch.tune] started {len(_pool.actors)} ranks for this actor's trials (pids "
               f"{', '.join(map(str, _pool.pids))}) in {time.time() - started:.1f} s", flush=True)
     pool, token = _pool, ray.tune.get_context().get_trial_id()
+    mark_shared(train_fs or fs.LocalFileSystem(), train_path)
     answer = lambda go_on: [a.answer.remote(token, go_on) for a in pool.actors]
     try:
         live = [a.run.remote(token, loop_config, train_path, train_fs, ray.tune.get_checkpoint())
