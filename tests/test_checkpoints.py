@@ -81,3 +81,26 @@ def test_plain_weights_load_and_corrupt_files_are_named(tmp_path):
         checkpoints.check_files(tmp_path / "ok")
     with pytest.raises(UserError, match="corrupt or incomplete"):
         checkpoints.load(DeepSpeedLikeEngine(), tmp_path / "ok", tag="state")
+
+
+def test_a_rank_resuming_downloads_its_own_zero_partitions_and_the_shared_files_only(tmp_path):
+    """Each rank resumes from a local copy of the checkpoint in storage; a non-elastic ZeRO load reads its own
+    rank's partition files only, so the others' are not fetched (N ranks fetch the partitioned state once in all);
+    everything else (DeepSpeed's `latest` and stage 0–2 model states, the report, the manifests) comes whole."""
+    from pyarrow import fs
+    storage = fs.SubTreeFileSystem(str(tmp_path / "bucket"), fs.LocalFileSystem())
+    names = ["latest", "report.json", "best.json", "manifest_rank_0.json", "manifest_rank_1.json",
+             "state/mp_rank_00_model_states.pt"]
+    partitions = {rank: [f"state/zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                         f"state/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                         f"state/bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] for rank in range(12)}
+    for i, name in enumerate(names + [n for ns in partitions.values() for n in ns]):
+        path = tmp_path / "bucket" / "run" / "checkpoint_000040" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes([i]) * (1000 + i))
+    for rank in (1, 10):
+        local = Path(checkpoints.download_for_rank(storage, "run/checkpoint_000040/", rank))
+        got = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+        assert got == sorted(names + partitions[rank])  # rank 10's, not rank 1's or 0's
+        for name in got:
+            assert (local / name).read_bytes() == (tmp_path / "bucket/run/checkpoint_000040" / name).read_bytes()

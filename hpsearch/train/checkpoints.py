@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import re
+import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -274,6 +275,27 @@ def newest_unreported(filesystem, experiment_path: str, world: int, taken) -> tu
     newest = newest_complete(filesystem, experiment_path, world)
     step = reported_step(taken.filesystem, taken.path) if taken is not None else -1
     return newest, newest is not None and newest[0] > step
+
+
+_PARTITION = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO files (optimizer; ZeRO-3 model)
+
+
+def download_for_rank(filesystem, path: str, rank: int) -> str:
+    """A local copy of the checkpoint at `path` (a pyarrow filesystem path) holding what `rank` loads: every file but
+    the other ranks' ZeRO partitions (`zero_pp_rank_<r>_*`: a non-elastic ZeRO load reads its own rank's only), so N
+    ZeRO ranks resuming fetch the partitioned state about once in all, not N times each. The caller removes it."""
+    from pyarrow import fs
+    local, root = tempfile.mkdtemp(prefix="hpsearch-resume-"), path.rstrip("/")
+    for info in filesystem.get_file_info(fs.FileSelector(root, recursive=True)):
+        other = _PARTITION.search(info.base_name)
+        if info.type != fs.FileType.File or (other and int(other.group(1)) != rank):
+            continue
+        target = Path(local, info.path[len(root) + 1:])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with filesystem.open_input_stream(info.path) as src, open(target, "wb") as out:
+            while chunk := src.read(1 << 24):
+                out.write(chunk)
+    return local
 
 
 def reported_step(filesystem, path: str) -> int:

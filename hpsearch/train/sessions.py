@@ -6,7 +6,6 @@ once when validation improves, see checkpoints.save_best); every checkpoint refe
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from hpsearch.config import RunConfig
@@ -81,8 +80,8 @@ class RaySession:
     def get_checkpoint_dir(self) -> str | None:
         if self._ckpt is None:
             return self._resume_from
-        self._resume_dir = tempfile.mkdtemp(prefix="hpsearch-resume-")
-        return self._ckpt.to_directory(self._resume_dir)
+        self._resume_dir = checkpoints.download_for_rank(self._ckpt.filesystem, self._ckpt.path, self.rank)
+        return self._resume_dir
 
     def release_checkpoint_dir(self) -> None:
         if self._resume_dir:  # a downloaded copy of the Ray checkpoint

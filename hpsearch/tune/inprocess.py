@@ -51,10 +51,7 @@ class TuneSession:
             return None
         if self.local:
             return self._newest[1]
-        from pyarrow import fs
-        self._resume_dir = tempfile.mkdtemp(prefix="hpsearch-resume-")
-        fs.copy_files(self._newest[1], self._resume_dir, source_filesystem=self.fs,
-                      destination_filesystem=fs.LocalFileSystem())
+        self._resume_dir = checkpoints.download_for_rank(self.fs, self._newest[1], self.rank)  # this rank's part
         return self._resume_dir
 
     def release_checkpoint_dir(self) -> None:
