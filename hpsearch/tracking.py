@@ -91,7 +91,8 @@ def check_server(uri: str, timeout: float = 5.0) -> None:
 
 def open_store(uri: str) -> None:
     """Create (and migrate) a sqlite store once, under a file lock: two studies starting together on a new file
-    would otherwise both run MLflow's schema migration and one would fail."""
+    would otherwise both run MLflow's schema migration and one would fail. Imports MLflow for any store."""
+    import mlflow  # noqa: F401
     if not uri.startswith("sqlite:///"):
         return
     import fcntl

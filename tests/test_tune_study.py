@@ -143,6 +143,11 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     complete = [c.data.tags["hpsearch.trial_id"] for c in children if c.data.tags["hpsearch.outcome"] == "complete"]
     assert all((study_dir / "trials" / t / "model" / "model.safetensors").is_file() for t in complete)
     assert "MB of checkpoints only a resume needed were removed" in out.stdout
+    # Tune keeps each trial's results (the report reads them), not TensorBoard files (MLflow has every metric)
+    tune_dirs = list(study_dir.glob("trial_*"))
+    assert len(tune_dirs) == 3 and all((d / "progress.csv").is_file() and (d / "result.json").is_file()
+                                       for d in tune_dirs)
+    assert not list(study_dir.rglob("events.out.tfevents*"))
 
     # one after another: each trial's run starts after the previous one ended
     spans = sorted((c.info.start_time, c.info.end_time) for c in children)

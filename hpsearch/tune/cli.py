@@ -203,7 +203,17 @@ def main(argv: list[str]) -> int:
     from hpsearch.tune.trialruns import TrialRuns
 
     space = study.space
-    init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
+    store = None
+    if not args.resume and not os.environ.get("RAY_ADDRESS"):  # MLflow's schema set-up while a private Ray starts
+        from concurrent.futures import ThreadPoolExecutor
+
+        from hpsearch.tracking import open_store
+        with ThreadPoolExecutor(1) as pool:
+            store = pool.submit(open_store, state["tracking_uri"])
+            init_ray(space.config, log_to_driver=False)
+        store.result()  # its error, if any, as it would have come from StudyRun.create below
+    else:
+        init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
     if os.environ.get("RAY_ADDRESS"):  # a cluster: nodes may still have to come (a private Ray was checked above)
         wait_for_nodes(space, lambda text: print(f"[hpsearch.tune] {text}", flush=True))
     if args.resume:

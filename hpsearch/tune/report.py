@@ -115,23 +115,22 @@ def _targets(space):
 
 
 def _importances(ostudy, space, notes: list[str]) -> dict[str, dict[str, float]]:
-    from optuna.importance import (
-        FanovaImportanceEvaluator,
-        MeanDecreaseImpurityImportanceEvaluator,
-        get_param_importances,
-    )
     from optuna.trial import TrialState
 
     n = len(ostudy.get_trials(states=(TrialState.COMPLETE,)))
     if n < 2:
         notes.append(f"importances: need at least 2 trials that ran the whole budget, have {n}")
         return {}
+    from optuna.importance import (  # 1.3 s of imports (scikit-learn), only when there is something to compute
+        MeanDecreaseImpurityImportanceEvaluator,
+        get_param_importances,
+    )
     if n < FEW_TRIALS:
         notes.append(f"importances: from only {n} trials that ran the whole budget; indicative at best "
                      f"(below {FEW_TRIALS} they mostly reflect which values happened to be drawn)")
     out = {}
     # variance-based, so the same for a maximised and a minimised target (PED-ANOVA's top quantile is not)
-    evaluators = {"fANOVA": lambda: FanovaImportanceEvaluator(seed=0),
+    evaluators = {"fANOVA": _fanova,
                   "MDI": lambda: MeanDecreaseImpurityImportanceEvaluator(seed=0)}
     for name, target in _targets(space):
         for label, make in evaluators.items():
@@ -144,12 +143,16 @@ def _importances(ostudy, space, notes: list[str]) -> dict[str, dict[str, float]]
     return out
 
 
+def _fanova():
+    from optuna.importance import FanovaImportanceEvaluator  # imported only when importances are computed
+    return FanovaImportanceEvaluator(seed=0)
+
+
 def _plots(ostudy, space, plot_dir: Path, notes: list[str]) -> dict[str, Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import optuna.visualization.matplotlib as vis
-    from optuna.importance import FanovaImportanceEvaluator
 
     plot_dir.mkdir(parents=True, exist_ok=True)
     name, target = _targets(space)[0]
@@ -157,8 +160,7 @@ def _plots(ostudy, space, plot_dir: Path, notes: list[str]) -> dict[str, Path]:
     kw = {"target": target, "target_name": name} if target else {"target_name": name}
     jobs = {"optimization_history": lambda: vis.plot_optimization_history(ostudy, **kw),
             "parallel_coordinates": lambda: vis.plot_parallel_coordinate(ostudy, **kw),
-            "importances": lambda: vis.plot_param_importances(ostudy, evaluator=FanovaImportanceEvaluator(seed=0),
-                                                              **kw)}
+            "importances": lambda: vis.plot_param_importances(ostudy, evaluator=_fanova(), **kw)}
     if not valid_importances:  # never a plot the report calls invalid
         del jobs["importances"]
     if space.multi_objective:

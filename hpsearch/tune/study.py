@@ -253,6 +253,7 @@ def trainable(study: Study):
 
 def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     import ray.tune
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
     from ray.tune.schedulers import ASHAScheduler
 
     from hpsearch.tune.progress import TrialEvents
@@ -270,8 +271,11 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
+    # Tune's result files (the report reads them), not its TensorBoard files: MLflow tracks every metric, and
+    # tensorboardX imports torch into the driver (1.5 s a study); TUNE_DISABLE_AUTO_CALLBACK_LOGGERS=0 adds them
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     run_config = ray.tune.RunConfig(name=study.name, storage_path=storage_path, storage_filesystem=storage_fs,
-                                    callbacks=[*callbacks, events],
+                                    callbacks=[*callbacks, events, CSVLoggerCallback(), JsonLoggerCallback()],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
                                     verbose=0)
     return ray.tune.Tuner(trainable(study), tune_config=tune_config, run_config=run_config)
