@@ -254,7 +254,8 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
         print(f"[hpsearch.tune] started {len(_pool.actors)} ranks for this actor's trials (pids "
               f"{', '.join(map(str, _pool.pids))}) in {time.time() - started:.1f} s", flush=True)
     pool, token = _pool, ray.tune.get_context().get_trial_id()
-    mark_shared(train_fs or fs.LocalFileSystem(), train_path)
+    storage = train_fs or fs.LocalFileSystem()
+    mark_shared(storage, train_path)
     answer = lambda go_on: [a.answer.remote(token, go_on) for a in pool.actors]
     try:
         live = [a.run.remote(token, loop_config, train_path, train_fs, ray.tune.get_checkpoint())
@@ -286,6 +287,11 @@ def train_in_pool(cfg, train_path: str, train_fs, loop_config: dict) -> None:
         pool.kill()  # no rank is left waiting in a collective; the next trial starts new ones
         _pool = None
         raise
+    finally:  # the ranks read it at their start only; the study's end leaves no file of the trial's under train/
+        try:
+            storage.delete_file(f"{train_path}/{MARKER}")
+        except OSError:
+            pass
 
 
 def _report(item: dict) -> None:
