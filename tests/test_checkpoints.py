@@ -104,3 +104,7 @@ def test_a_rank_resuming_downloads_its_own_zero_partitions_and_the_shared_files_
         assert got == sorted(names + partitions[rank])  # rank 10's, not rank 1's or 0's
         for name in got:
             assert (local / name).read_bytes() == (tmp_path / "bucket/run/checkpoint_000040" / name).read_bytes()
+    # rank 0 re-reporting a checkpoint whose report Ray never took fetches it whole: it is reported as the checkpoint
+    local = Path(checkpoints.download_for_rank(storage, "run/checkpoint_000040", None))
+    assert sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file()) == \
+        sorted(names + [n for ns in partitions.values() for n in ns])

@@ -2,16 +2,26 @@
 Train checkpoints and its exports; an interrupted study resumes from the bucket alone (a fresh local mirror)."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from test_tune_study import SHORT, interrupt_after_first_trial, study_runs
+from test_tune_study import (
+    SHORT,
+    interrupt_after_first_trial,
+    interrupt_when,
+    second_trial_evaluated,
+    steps,
+    study_runs,
+)
 
 BUCKET = "hpsearch-studies"
 
@@ -105,7 +115,13 @@ def test_storage_on_a_bucket_lists_copies_and_deletes(s3, tmp_path, monkeypatch)
     assert storage.delete("s1", "trial_*/checkpoint_*") == 6  # every part of the pattern is a glob
     assert bucket_files("unit/s1") == {"state.json", "trials/t1/model/w.bin", "trials/t1/config.yaml",
                                        "train/t1/best/w.pt", "trial_a/result.json", "trial_b/result.json"}
+    with storage.fs.open_output_stream(f"{BUCKET}/unit/s1/train/t1/.storage_marker") as out:
+        out.write(b"\0" * 2)  # a file: a folder pattern leaves it, a file pattern takes it and no folder
     assert storage.delete("s1", "train/*/best") == 5 and storage.delete("s1", "nothing_*/x") == 0
+    assert storage.delete("s1", "train/*/.storage_marker") == 0
+    assert bucket_files("unit/s1/train") == {"t1/.storage_marker"}
+    assert storage.delete("s1", "train/*/best", files=True) == 0
+    assert storage.delete("s1", "train/*/.storage_marker", files=True) == 2
     assert bucket_files("unit/s1/train") == set()
     assert storage.ray_path("s1", "train") == (f"{BUCKET}/unit/s1/train", storage.fs)
     assert isinstance(storage.fs, fs.S3FileSystem)
@@ -122,37 +138,74 @@ def tune(tmp_path, *args, mirror: str, root: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", ["2", "1", "pool"])  # Ray Train's worker group, training in the trial's actor,
-def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path, workers):  # kept ranks
-    root = f"studies-{workers}w"  # one bucket for the module: each case's study in a folder of its own
+@pytest.mark.parametrize("workers", ["groups", "1", "pool"])
+def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3, tmp_path, workers):
+    """A study in a bucket, interrupted (Ctrl-C), resumes on another machine from the bucket alone. `1`: one-worker
+    trials training in their own actors; `pool`: two-worker trials on kept ranks; `groups`: two-worker trials saved
+    while each launched Ray Train's worker group (as before kept ranks were the default; `worker_group=always`, then
+    dropped from the saved overrides), interrupted during the second trial after its first evaluation: Tune gives
+    the restored trial the study's placement now, and it continues on kept ranks from the checkpoint its worker
+    group wrote to the bucket (every rank's files, Ray Train's layout), each rank fetching what it loads; no
+    evaluation is logged twice."""
+    from pyarrow import fs
+
+    root = f"studies-{workers}"  # one bucket for the module: each case's study in a folder of its own
     # a trial in its own actor or on kept ranks is quick: 200 steps, so that the Ctrl-C comes while the second trains
-    budget = SHORT if workers == "2" else ["budget.max_steps=200", "budget.eval_every=100",
-                                           "budget.grace_period=100", *SHORT[3:]]
-    resources = {"2": ["resources.workers=2", "resources.worker_group=always"], "1": ["resources.workers=1"],
-                 "pool": ["resources.workers=2"]}[workers]  # several workers: kept ranks unless told otherwise
-    cmd, env = tune(tmp_path, "--num-samples", "3", *budget, *resources, mirror="mirror-a", root=root)
-    err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
+    # `groups`: evaluations every 50 steps and no ASHA stop, so the resumed trial's evaluations are known
+    evals, grace = ("50", "200") if workers == "groups" else ("100", "100")
+    budget = ["budget.max_steps=200", f"budget.eval_every={evals}", f"budget.grace_period={grace}", *SHORT[3:]]
+    resources = {"groups": ["resources.workers=2", "resources.worker_group=always", "resources.max_concurrent=1"],
+                 "1": ["resources.workers=1"], "pool": ["resources.workers=2"]}[workers]  # several: kept ranks
+    samples = "2" if workers == "groups" else "3"
+    cmd, env = tune(tmp_path, "--num-samples", samples, *budget, *resources, mirror="mirror-a", root=root)
+    if workers == "groups":
+        err = interrupt_when(cmd, tmp_path, lambda: second_trial_evaluated(tmp_path, "s3study"), env)
+    else:
+        err = interrupt_after_first_trial(cmd, tmp_path, "s3study", env)
     assert f"--storage-path s3://{BUCKET}/{root} --resume" in err
     stored = bucket_files(f"{root}/s3study")
     assert {"hpsearch-study.json", "space.yaml"} <= stored
     assert any(f.startswith("experiment_state") for f in stored)          # Tune's state is in the bucket
     assert any(f.startswith("train/") and "/checkpoint_" in f for f in stored)  # and the trials' checkpoints
-    if workers != "2":  # and Tune's pointer checkpoints of the trials that trained in their own actor or ranks
+    if workers != "groups":  # and Tune's pointer checkpoints of the trials that trained in their own actor or ranks
         assert any(re.match(r"trial_[^/]+/checkpoint_", f) for f in stored), sorted(stored)
-    if workers == "pool":  # each checkpoint in the bucket lists both ranks' files (each rank's manifest)
-        folders = {m.group(0) for f in stored if (m := re.match(r"train/[^/]+/checkpoint_[^/]+", f))}
-        assert folders and all({f"{d}/manifest_rank_0.json", f"{d}/manifest_rank_1.json"} <= stored
-                               for d in folders), sorted(stored)
-    _, _, before = study_runs(tmp_path, "s3study")
+    # each checkpoint in the bucket lists both ranks' files (each rank's manifest), on kept ranks as in Ray Train's
+    folders = {m.group(1) for f in stored if (m := re.match(r"(train/[^/]+/checkpoint_[^/]+)/", f))}
+    ranks = ["manifest_rank_0.json"] + (["manifest_rank_1.json"] if workers != "1" else [])
+    assert folders and all({f"{d}/{m}" for m in ranks} <= stored for d in folders), sorted(stored)
+    if workers == "groups":  # the study from now on as if saved without `always`: kept ranks, the default
+        state_fs, state_path = fs.FileSystem.from_uri(f"s3://{BUCKET}/{root}/s3study/hpsearch-study.json")
+        with state_fs.open_input_stream(state_path) as f:
+            state = json.loads(f.read())
+        state["overrides"] = [o for o in state["overrides"] if o != "resources.worker_group=always"]
+        with state_fs.open_output_stream(state_path) as f:
+            f.write(json.dumps(state).encode())
+    client, _, before = study_runs(tmp_path, "s3study")
     done_before = {c.data.tags["hpsearch.trial_id"]: c.info.end_time for c in before if c.info.status == "FINISHED"}
+    evaluated = {c.info.run_id: steps(client, c.info.run_id) for c in before if c.info.status != "FINISHED"}
 
     # another machine: nothing local but the MLflow store; the study comes back from the bucket
     cmd, env = tune(tmp_path, "--resume", mirror="mirror-b", root=root)
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths
+    try:
+        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                             env={**env, "RAY_TMPDIR": ray_tmp})
+        logs = "".join(p.read_text(errors="replace")  # session_2*: not also through the session_latest link
+                       for p in Path(ray_tmp).glob("ray/session_2*/logs/worker-*.out"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
     client, parents, children = study_runs(tmp_path, "s3study")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert len(children) == 3 and all(c.info.status == "FINISHED" for c in children)
+    assert len(children) == int(samples) and all(c.info.status == "FINISHED" for c in children)
+    if workers == "groups":
+        assert "Train controller and worker group" not in logs  # no worker group after the resume
+        assert logs.count("started 2 ranks for this actor's trials") == 1  # the restored trial on kept ranks
+        resumed = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", logs)]
+        ((run_id, reported),) = evaluated.items()
+        # once, from the worker group's newest checkpoint (at or after the last evaluation MLflow had at the Ctrl-C)
+        assert len(resumed) == 1 and resumed[0] >= reported[-1] and resumed[0] % 50 == 0, (resumed, reported)
+        assert steps(client, run_id) == [50, 100, 150, 200]  # every evaluation, once
     stored = bucket_files(f"{root}/s3study")
     complete = [c.data.tags["hpsearch.trial_id"] for c in children
                 if c.data.tags.get("hpsearch.outcome") == "complete"]
@@ -167,11 +220,9 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
     kept = sorted(f for f in stored if re.search(r"(^|/)checkpoint_[^/]*/", f))
     assert not kept, kept  # the checkpoints' folders (Tune's pointers too) are pruned at the end: only a resume
     # needed them
-    if workers != "2":  # no Ray Train run wrote its state under train/<trial id>/; the best weights went too
+    if workers != "groups":  # no Ray Train run wrote its state under train/<trial id>/; the best weights went too
         assert not [f for f in stored if f.startswith("train/")], sorted(stored)
     # an export read back from the bucket loads
-    from pyarrow import fs
-
     from hpsearch.model import build_model
     from hpsearch.tune.storage import download_dir
     filesystem, path = fs.FileSystem.from_uri(f"s3://{BUCKET}/{root}/s3study/trials/{complete[0]}/model")

@@ -269,10 +269,25 @@ def finished_children(tmp_path, name):
 def interrupt_after_first_trial(cmd, tmp_path, name, env=None) -> str:
     """Run a study and interrupt it (Ctrl-C) once its first trial has finished and the second has started; returns
     its stderr after checking it exited 130."""
+    return interrupt_when(cmd, tmp_path, lambda: len(finished_children(tmp_path, name)) >= 1
+                          and len(study_runs(tmp_path, name)[2]) >= 2, env)
+
+
+def second_trial_evaluated(tmp_path, name) -> bool:
+    """Two trials in MLflow, the second running and with an evaluation logged (so with a checkpoint to resume)."""
+    try:
+        client, _, children = study_runs(tmp_path, name)
+    except Exception:  # the store or the experiment is not there yet
+        return False
+    running = [c for c in children if c.info.status == "RUNNING"]
+    return len(children) == 2 and len(running) == 1 and bool(steps(client, running[0].info.run_id))
+
+
+def interrupt_when(cmd, tmp_path, predicate, env=None) -> str:
+    """Run a study and interrupt it (Ctrl-C) once `predicate()` holds; its stderr, after checking it exited 130."""
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        started = wait_for(lambda: len(finished_children(tmp_path, name)) >= 1
-                           and len(study_runs(tmp_path, name)[2]) >= 2, 600, proc, poll=0.5)
+        started = wait_for(predicate, 600, proc, poll=0.5)
         assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
@@ -281,70 +296,6 @@ def interrupt_after_first_trial(cmd, tmp_path, name, env=None) -> str:
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     return err
-
-
-@pytest.mark.slow
-def test_a_study_saved_with_worker_groups_resumes_on_kept_ranks_from_the_worker_groups_checkpoint(tmp_path):
-    """A two-worker study saved while its trials launched Ray Train's worker group (as before kept ranks were the
-    default; here `worker_group=always`, then dropped from its saved overrides) is interrupted during its second
-    trial, after that trial's first evaluation, and resumed: Tune gives the restored trial the study's placement
-    now, and it continues on kept ranks from the checkpoint its worker group wrote (every rank's files, Ray Train's
-    layout); no evaluation is logged twice."""
-    budget = ["budget.max_steps=200", "budget.eval_every=50", "budget.grace_period=200", *SHORT[3:]]
-    cmd = tune_cmd(tmp_path, "old", "--num-samples", "2", *budget, "resources.workers=2",
-                   "resources.worker_group=always", "resources.max_concurrent=1")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def second_evaluated():
-        client, _, children = study_runs(tmp_path, "old")
-        running = [c for c in children if c.info.status == "RUNNING"]
-        return len(children) == 2 and len(running) == 1 and steps(client, running[0].info.run_id)
-    try:
-        assert wait_for(lambda: _quiet(second_evaluated), 600, proc, poll=0.5), \
-            proc.stderr.read()[-3000:] if proc.poll() is not None else ""
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-3000:]
-    state_file = tmp_path / "runs" / "old" / "hpsearch-study.json"
-    state = json.loads(state_file.read_text())
-    state["overrides"] = [o for o in state["overrides"] if o != "resources.worker_group=always"]
-    state_file.write_text(json.dumps(state))
-    client, _, before = study_runs(tmp_path, "old")
-    (interrupted,) = [c for c in before if c.info.status != "FINISHED"]
-    reported = steps(client, interrupted.info.run_id)
-    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")
-    try:
-        out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "old", "--storage-path",
-                              str(tmp_path / "runs"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=900, env={**os.environ, "RAY_TMPDIR": ray_tmp})
-        logs = "".join(p.read_text(errors="replace")  # session_2*: not also through the session_latest link
-                       for p in Path(ray_tmp).glob("ray/session_2*/logs/worker-*.out"))
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    client, parents, children = study_runs(tmp_path, "old")
-    assert parents[0].info.status == "FINISHED" and len(children) == 2
-    assert all(c.info.status == "FINISHED" for c in children)
-    for child in children:
-        history = steps(client, child.info.run_id)
-        assert history == sorted(set(history)), history  # no evaluation logged twice
-    assert "Train controller and worker group" not in logs  # no worker group after the resume
-    assert logs.count("started 2 ranks for this actor's trials") == 1  # the restored trial on kept ranks
-    resumed = [int(n) for n in re.findall(r"resumed from \S+ at step (\d+)", logs)]
-    # once, from the worker group's newest checkpoint (at or after the last evaluation MLflow had at the Ctrl-C)
-    assert len(resumed) == 1 and resumed[0] >= reported[-1] and resumed[0] % 50 == 0, (resumed, reported)
-    (again,) = [c for c in children if c.info.run_id == interrupted.info.run_id]
-    assert steps(client, again.info.run_id) == [50, 100, 150, 200]  # every evaluation, once
-
-
-def _quiet(predicate):
-    try:
-        return predicate()
-    except Exception:  # the store or the experiment is not there yet
-        return False
 
 
 @pytest.mark.slow
@@ -381,6 +332,9 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
             assert history == steps(client, old.info.run_id)
     experiment_dirs = [p for p in (tmp_path / "runs" / "resume").iterdir() if p.name.startswith("trial_")]
     assert len(experiment_dirs) == 3
+    # Tune's result files for every trial, before and after the resume; no TensorBoard files either side
+    assert all((d / "progress.csv").is_file() and (d / "result.json").is_file() for d in experiment_dirs)
+    assert not list((tmp_path / "runs" / "resume").rglob("events.out.tfevents*"))
     # the resume continued the same Optuna study: three trials, none left RUNNING, none twice
     ostudy = optuna.load_study(study_name="resume", storage=f"sqlite:///{tmp_path}/optuna.db")
     assert len(ostudy.trials) == 3 and all(t.state.name in ("COMPLETE", "PRUNED") for t in ostudy.trials)

@@ -280,21 +280,28 @@ def newest_unreported(filesystem, experiment_path: str, world: int, taken) -> tu
 _PARTITION = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO files (optimizer; ZeRO-3 model)
 
 
-def download_for_rank(filesystem, path: str, rank: int) -> str:
+def download_for_rank(filesystem, path: str, rank: int | None) -> str:
     """A local copy of the checkpoint at `path` (a pyarrow filesystem path) holding what `rank` loads: every file but
     the other ranks' ZeRO partitions (`zero_pp_rank_<r>_*`: a non-elastic ZeRO load reads its own rank's only), so N
-    ZeRO ranks resuming fetch the partitioned state about once in all, not N times each. The caller removes it."""
+    ZeRO ranks resuming fetch the partitioned state about once in all, not N times each; `rank=None`: every file (a
+    copy that is reported again as the whole checkpoint). The caller removes it; a failed fetch leaves nothing."""
+    import shutil
+
     from pyarrow import fs
     local, root = tempfile.mkdtemp(prefix="hpsearch-resume-"), path.rstrip("/")
-    for info in filesystem.get_file_info(fs.FileSelector(root, recursive=True)):
-        other = _PARTITION.search(info.base_name)
-        if info.type != fs.FileType.File or (other and int(other.group(1)) != rank):
-            continue
-        target = Path(local, info.path[len(root) + 1:])
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with filesystem.open_input_stream(info.path) as src, open(target, "wb") as out:
-            while chunk := src.read(1 << 24):
-                out.write(chunk)
+    try:
+        for info in filesystem.get_file_info(fs.FileSelector(root, recursive=True)):
+            other = _PARTITION.search(info.base_name)
+            if info.type != fs.FileType.File or (other and rank is not None and int(other.group(1)) != rank):
+                continue
+            target = Path(local, info.path[len(root) + 1:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with filesystem.open_input_stream(info.path) as src, open(target, "wb") as out:
+                while chunk := src.read(1 << 24):
+                    out.write(chunk)
+    except BaseException:
+        shutil.rmtree(local, ignore_errors=True)
+        raise
     return local
 
 

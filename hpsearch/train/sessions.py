@@ -80,7 +80,9 @@ class RaySession:
     def get_checkpoint_dir(self) -> str | None:
         if self._ckpt is None:
             return self._resume_from
-        self._resume_dir = checkpoints.download_for_rank(self._ckpt.filesystem, self._ckpt.path, self.rank)
+        # rank 0 reports a checkpoint whose report Ray never took again, from this copy (loop.py): then it is whole
+        mine = None if self.unregistered and self.rank == 0 else self.rank
+        self._resume_dir = checkpoints.download_for_rank(self._ckpt.filesystem, self._ckpt.path, mine)
         return self._resume_dir
 
     def release_checkpoint_dir(self) -> None:

@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
         parent = StudyRun.create(state["tracking_uri"], study.name, space_path=state["space_path"],
                                  space_text=state["space_text"], command=command, params=_study_params(study),
                                  description=space.description)
-        state.update(parent_run_id=parent.run_id, command=command)
+        state.update(parent_run_id=parent.run_id, command=command, tune_loggers="results")
         study.save_state(state)
 
     if state.get("system_metrics"):
@@ -232,7 +232,8 @@ def main(argv: list[str]) -> int:
     print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
           f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
     if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
-        tuner = restore_tuner(study)  # with the callbacks, searcher and scheduler it saved
+        # with the callbacks, searcher and scheduler it saved
+        tuner = restore_tuner(study, results_only=state.get("tune_loggers") == "results")
     else:
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
                                study.trial_config, study.outcome)

@@ -26,9 +26,9 @@ from pathlib import Path
 from hpsearch.errors import UserError
 from hpsearch.train import checkpoints
 from hpsearch.tune.inprocess import TuneSession, free_trial_memory
+from hpsearch.tune.storage import STORAGE_MARKER as MARKER  # every rank must see the trial thread's
 
 _pool = None  # this Tune actor's ranks, kept for its next trial
-MARKER = ".storage_marker"  # left by the trial's thread in the trial's folder; every rank must see it
 
 
 class PoolStopped(BaseException):

@@ -24,6 +24,8 @@ from hpsearch.errors import ConfigError
 
 _URI = re.compile(r"[a-z][a-z0-9+.-]*://")
 
+STORAGE_MARKER = ".storage_marker"  # a trial's thread leaves it in train/<trial id>/ for its kept ranks to see
+
 
 def is_uri(text: str) -> bool:
     return bool(_URI.match(text)) and not text.startswith("file://")
@@ -132,24 +134,31 @@ class Storage:
             if info.type == fs.FileType.Directory:
                 self.pull(name, *(f"{folder}/{info.base_name}/{file}" for file in files))
 
-    def delete(self, name: str, pattern: str) -> int:
+    def delete(self, name: str, pattern: str, files: bool = False) -> int:
         """Remove the bucket's folders `<name>/<a>/<b>/...` matching the glob `pattern`, one glob per level (e.g.
-        `train/*/checkpoint_*`, `trial_*/checkpoint_*`); returns the bytes removed."""
+        `train/*/checkpoint_*`, `trial_*/checkpoint_*`), or its files there when `files`; returns the bytes
+        removed."""
         if not self.remote:
             return 0
         import fnmatch
 
         from pyarrow import fs
-        matched = [self.remote_path(name)]
-        for part in pattern.split("/"):  # every level listed before anything is deleted
-            matched = [info.path for folder in matched
+        matched = [(self.remote_path(name), None)]
+        parts = pattern.split("/")
+        for i, part in enumerate(parts):  # every level listed before anything is deleted
+            kind = fs.FileType.File if files and i == len(parts) - 1 else fs.FileType.Directory
+            matched = [(info.path, info.size) for folder, _ in matched
                        for info in self.fs.get_file_info(fs.FileSelector(folder, allow_not_found=True))
-                       if info.type == fs.FileType.Directory and fnmatch.fnmatchcase(info.base_name, part)]
+                       if info.type == kind and fnmatch.fnmatchcase(info.base_name, part)]
         freed = 0
-        for folder in matched:
-            inside = fs.FileSelector(folder, recursive=True, allow_not_found=True)
+        for path, size in matched:
+            if files:
+                freed += size or 0
+                self.fs.delete_file(path)
+                continue
+            inside = fs.FileSelector(path, recursive=True, allow_not_found=True)
             freed += sum(f.size or 0 for f in self.fs.get_file_info(inside))
-            self.fs.delete_dir(folder)
+            self.fs.delete_dir(path)
         return freed
 
 

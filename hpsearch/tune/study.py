@@ -25,7 +25,7 @@ from hpsearch.config import RunConfig
 from hpsearch.errors import UserError
 from hpsearch.tune.cluster import trial_placement
 from hpsearch.tune.space import SearchSpace
-from hpsearch.tune.storage import Storage, open_storage
+from hpsearch.tune.storage import STORAGE_MARKER, Storage, open_storage
 
 STATE_FILE, SPACE_COPY = "hpsearch-study.json", "space.yaml"
 STATE_KEYS = ("name", "space_text", "overrides", "tracking_uri", "parent_run_id")
@@ -96,6 +96,10 @@ class Study:
         freed = sum(_size(p) for p in doomed) + sum(self.storage.delete(self.name, pattern) for pattern in patterns)
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
+        marks = f"train/*/{STORAGE_MARKER}"  # left by a trial on kept ranks that was interrupted (rankpool.py)
+        self.storage.delete(self.name, marks, files=True)
+        for path in self.dir.glob(marks):
+            path.unlink(missing_ok=True)
         return freed, _size(self.dir)
 
     # ---- the state a resume needs -----------------------------------------------------------------------------
@@ -271,9 +275,7 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
-    # Tune's result files (the report reads them), not its TensorBoard files: MLflow tracks every metric, and
-    # tensorboardX imports torch into the driver (1.5 s a study); TUNE_DISABLE_AUTO_CALLBACK_LOGGERS=0 adds them
-    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    results_only_loggers()
     run_config = ray.tune.RunConfig(name=study.name, storage_path=storage_path, storage_filesystem=storage_fs,
                                     callbacks=[*callbacks, events, CSVLoggerCallback(), JsonLoggerCallback()],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
@@ -281,8 +283,19 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     return ray.tune.Tuner(trainable(study), tune_config=tune_config, run_config=run_config)
 
 
-def restore_tuner(study: Study):
+def results_only_loggers() -> None:
+    """Tune's result files (the report reads them; the tuner is given their loggers), not its TensorBoard files:
+    MLflow tracks every metric, and tensorboardX imports torch into the driver (1.5 s a study);
+    TUNE_DISABLE_AUTO_CALLBACK_LOGGERS=0 brings them back."""
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+
+
+def restore_tuner(study: Study, results_only: bool):
+    """The saved tuner; `results_only`: it was made with the result files' loggers (see `results_only_loggers`), a
+    study saved before that gets Tune's default loggers again."""
     import ray.tune
+    if results_only:
+        results_only_loggers()
     path, filesystem = study.ray_path()
     return ray.tune.Tuner.restore(path, trainable(study), resume_unfinished=True, resume_errored=False,
                                   storage_filesystem=filesystem)
