@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from test_tune_study import (
     SHORT,
     interrupt_after_first_trial,
     interrupt_when,
+    run_keeping_worker_logs,
     second_trial_evaluated,
     steps,
     study_runs,
@@ -186,15 +185,9 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
 
     # another machine: nothing local but the MLflow store; the study comes back from the bucket
     cmd, env = tune(tmp_path, "--resume", mirror="mirror-b", root=root)
-    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths
-    try:
-        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                             env={**env, "RAY_TMPDIR": ray_tmp})
-        logs = "".join(p.read_text(errors="replace")  # session_2*: not also through the session_latest link
-                       for p in Path(ray_tmp).glob("ray/session_2*/logs/worker-*.out"))
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out, worker_logs = run_keeping_worker_logs(cmd, tmp_path, env)
     assert out.returncode == 0, out.stderr[-3000:]
+    logs = "".join(worker_logs.values())
     client, parents, children = study_runs(tmp_path, "s3study")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert len(children) == int(samples) and all(c.info.status == "FINISHED" for c in children)
@@ -224,7 +217,7 @@ def test_a_study_in_a_bucket_is_interrupted_and_resumes_from_the_bucket_alone(s3
         assert not [f for f in stored if f.startswith("train/")], sorted(stored)
     # an export read back from the bucket loads
     from hpsearch.model import build_model
-    from hpsearch.tune.storage import download_dir
+    from hpsearch.remotefs import download_dir
     filesystem, path = fs.FileSystem.from_uri(f"s3://{BUCKET}/{root}/s3study/trials/{complete[0]}/model")
     download_dir(filesystem, path, tmp_path / "model")
     assert build_model(str(tmp_path / "model")).extra_parameters()["total"] > 0

@@ -154,6 +154,19 @@ def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path)
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
 
 
+def run_keeping_worker_logs(cmd, cwd, env=None):
+    """Run a study to its end with Ray's session in a folder of its own: (the finished process, {file name: text}
+    of its workers' logs)."""
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900,
+                             env={**(env or os.environ), "RAY_TMPDIR": ray_tmp})
+        logs = {p.name: p.read_text(errors="replace") for p in Path(ray_tmp).glob("ray/session_*/logs/worker-*.out")}
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return out, logs
+
+
 def check_six_trials_with_a_stop_in_between(tmp_path, name, study_dir):
     """Six trials in MLflow under one finished parent, ASHA's stop before the last trial, Optuna's states as the
     outcomes say, each evaluation once, exports for complete trials only; returns the MLflow children."""
@@ -208,16 +221,9 @@ def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
     space = tmp_path / "loss.yaml"  # loss as ASHA's metric: trials differ at step 10, so ASHA stops one
     space.write_text((ROOT / "search_spaces" / "default.yaml").read_text().replace(
         "  - {metric: score, mode: max}", "  - {metric: loss, mode: min}"))
-    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths have a length limit
-    try:
-        out = subprocess.run(tune_cmd(tmp_path, "pool", "--space", str(space), "--num-samples", "6", *SHORT,
-                                      "resources.workers=2", "resources.max_concurrent=1"),
-                             cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                             env={**os.environ, "RAY_TMPDIR": ray_tmp})
-        assert out.returncode == 0, out.stderr[-3000:]
-        logs = {p.name: p.read_text(errors="replace") for p in Path(ray_tmp).glob("ray/session_*/logs/worker-*.out")}
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out, logs = run_keeping_worker_logs(tune_cmd(tmp_path, "pool", "--space", str(space), "--num-samples", "6",
+                                                 *SHORT, "resources.workers=2", "resources.max_concurrent=1"), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
     started = [line for text in logs.values() for line in text.splitlines() if "ranks for this actor's trials" in line]
     assert len(started) == 1 and "started 2 ranks" in started[0], started  # once, for all six trials
     firsts = {name: text.count("[hpsearch.train] start-up ") for name, text in logs.items()}

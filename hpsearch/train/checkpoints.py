@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import zipfile
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from hpsearch.errors import UserError
+from hpsearch.remotefs import download_dir
 
 REPORT = "report.json"
 
@@ -285,20 +287,13 @@ def download_for_rank(filesystem, path: str, rank: int | None) -> str:
     the other ranks' ZeRO partitions (`zero_pp_rank_<r>_*`: a non-elastic ZeRO load reads its own rank's only), so N
     ZeRO ranks resuming fetch the partitioned state about once in all, not N times each; `rank=None`: every file (a
     copy that is reported again as the whole checkpoint). The caller removes it; a failed fetch leaves nothing."""
-    import shutil
+    def mine(name: str) -> bool:
+        other = _PARTITION.search(name)
+        return not other or rank is None or int(other.group(1)) == rank
 
-    from pyarrow import fs
-    local, root = tempfile.mkdtemp(prefix="hpsearch-resume-"), path.rstrip("/")
+    local = tempfile.mkdtemp(prefix="hpsearch-resume-")
     try:
-        for info in filesystem.get_file_info(fs.FileSelector(root, recursive=True)):
-            other = _PARTITION.search(info.base_name)
-            if info.type != fs.FileType.File or (other and rank is not None and int(other.group(1)) != rank):
-                continue
-            target = Path(local, info.path[len(root) + 1:])
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with filesystem.open_input_stream(info.path) as src, open(target, "wb") as out:
-                while chunk := src.read(1 << 24):
-                    out.write(chunk)
+        download_dir(filesystem, path, Path(local), keep=mine)
     except BaseException:
         shutil.rmtree(local, ignore_errors=True)
         raise

@@ -194,26 +194,23 @@ def main(argv: list[str]) -> int:
     study, state = prepare(args)
     command = shlex.join(["python", "-m", "hpsearch.tune", *argv])
 
+    from concurrent.futures import ThreadPoolExecutor
+
     import ray.tune
 
-    from hpsearch.tracking import StudyRun
+    from hpsearch.tracking import StudyRun, open_store
     from hpsearch.train import init_ray
     from hpsearch.tune.cluster import concurrency, wait_for_nodes
     from hpsearch.tune.study import make_tuner, restore_tuner
     from hpsearch.tune.trialruns import TrialRuns
 
     space = study.space
-    store = None
-    if not args.resume and not os.environ.get("RAY_ADDRESS"):  # MLflow's schema set-up while a private Ray starts
-        from concurrent.futures import ThreadPoolExecutor
-
-        from hpsearch.tracking import open_store
-        with ThreadPoolExecutor(1) as pool:
-            store = pool.submit(open_store, state["tracking_uri"])
-            init_ray(space.config, log_to_driver=False)
-        store.result()  # its error, if any, as it would have come from StudyRun.create below
-    else:
+    overlap = not args.resume and not os.environ.get("RAY_ADDRESS")  # a new study, a private Ray to start
+    with ThreadPoolExecutor(1) as pool:  # then MLflow's schema is set up while Ray starts
+        store = pool.submit(open_store, state["tracking_uri"]) if overlap else None
         init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
+    if store is not None:
+        store.result()  # its error, if any, as it would have come from StudyRun.create below
     if os.environ.get("RAY_ADDRESS"):  # a cluster: nodes may still have to come (a private Ray was checked above)
         wait_for_nodes(space, lambda text: print(f"[hpsearch.tune] {text}", flush=True))
     if args.resume:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpsearch.errors import ConfigError
+from hpsearch.remotefs import download_dir
 
 _URI = re.compile(r"[a-z][a-z0-9+.-]*://")
 
@@ -160,20 +161,6 @@ class Storage:
             freed += sum(f.size or 0 for f in self.fs.get_file_info(inside))
             self.fs.delete_dir(path)
         return freed
-
-
-def download_dir(filesystem, path: str, target: Path) -> None:
-    """Copy a folder of a pyarrow filesystem to a local folder (pyarrow's copy_files does not create local
-    folders)."""
-    from pyarrow import fs
-
-    for info in filesystem.get_file_info(fs.FileSelector(path, recursive=True)):
-        if info.type != fs.FileType.File:
-            continue
-        local = Path(target, info.path[len(path.rstrip("/")) + 1:])
-        local.parent.mkdir(parents=True, exist_ok=True)
-        with filesystem.open_input_stream(info.path) as src:
-            local.write_bytes(src.read())
 
 
 def open_storage(text: str) -> Storage:
