@@ -20,8 +20,8 @@ FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "trai
         "data.synthetic_train_rows=300", "data.synthetic_eval_rows=60", "train.lr=3e-3", "train.warmup_steps=5"]
 
 
-def run_train(*args, timeout=600, cwd=None):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+def run_train(*args, timeout=600, cwd=None, env=None):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, "-m", "hpsearch.train", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd)
 
@@ -302,6 +302,20 @@ def test_the_driver_checks_a_run_without_importing_torch(tmp_path):
 
 
 # ---- DeepSpeed's JIT ops ---------------------------------------------------------------------------------------------
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_imports_as_ever_after():
+    hidden = ("import sys; from hpsearch.train.ops import import_deepspeed; ds = import_deepspeed(); "
+              "print('mlflow' in sys.modules, ds.autotuning.autotuner.has_mlflow); import mlflow; "
+              "print(mlflow.MlflowClient.__name__)")
+    kept = ("import sys, mlflow; from hpsearch.train.ops import import_deepspeed; ds = import_deepspeed(); "
+            "print(sys.modules['mlflow'] is mlflow, ds.autotuning.autotuner.has_mlflow)")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+            for code in (hidden, kept)]
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    assert outs[0].stdout.split() == ["False", "False", "MlflowClient"]  # not imported with DeepSpeed; then as ever
+    assert outs[1].stdout.split() == ["True", "True"]  # a process that had MLflow keeps its module
+
+
 @pytest.mark.slow
 def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():
     """A run killed while torch held `<build dir>/lock` leaves the file; DeepSpeed alone then waits forever."""
@@ -350,8 +364,11 @@ def test_the_op_built_under_one_path_is_not_rebuilt_under_another():
 # ---- local loop ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_local_run_resume_equals_uninterrupted(tmp_path):
-    proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full")
+    proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full", env={"PYTHONPROFILEIMPORTTIME": "1"})
     full = final_json(proc)
+    # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "deepspeed" in imported and "mlflow" not in imported
     # where the start-up went, from the process's start to the end of step 1: its phases add up to the total
     phases = startup.parse(proc.stdout)
     assert list(phases) == ["total_s", "imports", "model and data", "DeepSpeed",

@@ -73,7 +73,6 @@ class Peak:
 def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     """One rank (RANK, WORLD_SIZE, MASTER_* in the environment): build (`build`: "partitioned" as the recipe does,
     or "whole"), partition, export (`mode`); write its phases."""
-    import deepspeed
     import torch
 
     from hpsearch.config import load_config
@@ -81,6 +80,9 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     from hpsearch.train.build import ModelBuilder, unique_parameters
     from hpsearch.train.dsconfig import deepspeed_config
     from hpsearch.train.objective import gathered_state
+    from hpsearch.train.ops import import_deepspeed
+
+    deepspeed = import_deepspeed()
 
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

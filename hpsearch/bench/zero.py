@@ -68,14 +68,15 @@ def engine_step(model, cfg, batch):
 def run(shape: str, n_tasks: int, reps: int, batching: str, log,
         batch_shape: BatchShape = BATCH) -> tuple[list, dict]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
     import psutil
 
     from hpsearch.bench.models import batch_shape_of, make_batch
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
     from hpsearch.train.dsconfig import auto_zero_stage
-    from hpsearch.train.ops import load_ops, ops_for
+    from hpsearch.train.ops import import_deepspeed, load_ops, ops_for
+
+    deepspeed = import_deepspeed()
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated")

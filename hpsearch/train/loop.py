@@ -18,7 +18,7 @@ from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
-from hpsearch.train.ops import load_ops, ops_for
+from hpsearch.train.ops import import_deepspeed, load_ops, ops_for
 from hpsearch.train.prefetch import Prefetch
 from hpsearch.train.sessions import RaySession
 
@@ -91,7 +91,7 @@ def _train(loop_config: dict, session) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_flush_denormal(True)  # subnormal floats (tiny optimizer moments, late in training) are slow on CPU
     hostmem.apply(cfg.train.host_allocator, cfg.train.use_gpu)  # CPU workers: malloc reuses freed tensor memory
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     marks = {**(loop_config.get("startup") or {}), "imports": time.time()}  # start-up phases (startup.py)
     rank, world = session.rank, session.world_size

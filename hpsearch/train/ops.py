@@ -30,6 +30,23 @@ SHM_COMM = "ShareMemCommBuilder"  # deepspeed.comm's CPU all-reduce, built by in
 CPU_ADAM = "CPUAdamBuilder"  # DeepSpeedCPUAdam, built when the optimizer is offloaded
 
 
+def import_deepspeed():
+    """`import deepspeed`, without importing MLflow. DeepSpeed's autotuner (`deepspeed --autotuning`, which nothing
+    here runs) imports MLflow when it is installed, as DeepSpeed itself is imported: 1.1 of the 1.4 s that import
+    took here after torch's, paid by every rank and every trial's worker. MLflow is hidden for that moment only (an
+    `import mlflow` later works as ever); a process that already has MLflow keeps it."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+        return deepspeed
+    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which the autotuner catches
+    try:
+        import deepspeed
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def load_ops(names: list[str]) -> list[str]:
     """Build (first time) or load each named DeepSpeed op this accelerator has; returns the names loaded."""
     import deepspeed
