@@ -5,8 +5,9 @@
 The one package that knows DeepSpeed. The same `train_loop` runs in Ray Train workers (`build_trainer`, also used
 by the search) and, with `--local`, in this process without Ray, for debugging. One concern a file: `dsconfig`
 (the DeepSpeed config), `sessions` (where reports and checkpoints go), `loop` (the loop on each rank), `evaluate`
-(validation and test scoring), `launch` (Ray and Ray Train), `startup` (where a run's start-up goes), `__main__`
-(the command line).
+(validation and test scoring), `launch` (Ray and Ray Train), `rendezvous` and `torchconfig` (the ranks'
+torch.distributed store, on the node's address), `startup` (where a run's start-up goes), `__main__` (the command
+line).
 
 The names below are imported when first used: Ray Train's controller and workers unpickle the loop's entry point
 and the rendezvous config from this package, and importing DeepSpeed, transformers and the model library there

@@ -100,7 +100,7 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from hpsearch.train.rendezvous import BoundTorchConfig
+    from hpsearch.train.torchconfig import BoundTorchConfig
 
     resources = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:
