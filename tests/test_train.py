@@ -457,7 +457,8 @@ def test_resume_restores_an_older_best_checkpoint(tmp_path):
 
 
 # a finished run's engine, counted in this process (automatic collection off: the count is deterministic), before
-# and after what a reused Tune actor does before its next trial
+# and after what a reused Tune actor does before its next trial; what the actor froze as the trial started (objects
+# the collector no longer tracks), and after a second trial's start
 RELEASED = """
 import gc, sys
 gc.disable()
@@ -466,15 +467,19 @@ from hpsearch.config import load_config
 from hpsearch.train import loop_config
 from hpsearch.train.loop import train_loop
 from hpsearch.train.sessions import LocalSession
-from hpsearch.tune.inprocess import free_trial_memory
+from hpsearch.tune.inprocess import free_trial_memory, freeze_imports
 
 cfg = load_config(None, sys.argv[1:])
+freeze_imports()
+frozen = gc.get_freeze_count()
 train_loop(loop_config(cfg), LocalSession(cfg, None))
 count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects()),
                  sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)))
 print(*count())
 free_trial_memory()
 print(*count())
+freeze_imports()
+print(frozen, gc.get_freeze_count())
 """
 
 
@@ -486,9 +491,11 @@ def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
                           "train.micro_batch_size=8", f"train.output_dir={tmp_path}"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0, run.stderr[-2000:]
-    (engines, params), after = [tuple(map(int, ln.split())) for ln in run.stdout.splitlines()[-2:]]
+    (engines, params), after, (frozen, frozen_later) = [tuple(map(int, ln.split()))
+                                                        for ln in run.stdout.splitlines()[-3:]]
     assert engines == 1 and params > 0  # left by the run, until a collection
-    assert after == (0, 0)
+    assert after == (0, 0)  # collected, although the actor froze what was alive before the trial
+    assert frozen > 100_000 and frozen_later <= frozen  # the imports, frozen once (none since: some freed)
 
 
 @pytest.mark.slow

@@ -356,11 +356,12 @@ def test_a_trial_in_its_own_actor_frees_memory_before_and_after_it_trains(monkey
     from hpsearch.tune.study import _train_in_this_actor
 
     calls = []
+    monkeypatch.setattr(inprocess, "freeze_imports", lambda: calls.append("freeze"))
     monkeypatch.setattr(inprocess, "free_trial_memory", lambda: calls.append("free"))
     monkeypatch.setattr(inprocess, "TuneSession", lambda path, filesystem: f"session at {path}")
     monkeypatch.setattr(loop, "train_loop", lambda config, session: calls.append(session))
     _train_in_this_actor(load_config(None, []), "/study/train/t1", None, None, None)
-    assert calls == ["free", "session at /study/train/t1", "free"]
+    assert calls == ["freeze", "free", "session at /study/train/t1", "free"]  # frozen before the trial builds
 
 
 def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is_one_line(tmp_path):

@@ -18,6 +18,23 @@ from pathlib import Path
 
 from hpsearch.train import checkpoints
 
+_frozen = False  # whether this process has frozen what it imported (freeze_imports)
+
+
+def freeze_imports() -> None:
+    """Once per process, as its first trial starts (before it builds anything): what is alive then (the imported
+    modules, torch, transformers, Ray: 460,000 objects here) lives as long as the process, so the collector stops
+    tracking it (`gc.freeze`). Every later full collection, two a trial in every process that trains
+    (`free_trial_memory`), then skips it: 0.25 s each here, 1 ms after. Only what is already alive is frozen, so the
+    trials' engines stay collectable."""
+    import gc
+
+    global _frozen
+    if not _frozen:
+        gc.collect()
+        gc.freeze()
+        _frozen = True
+
 
 def free_trial_memory() -> None:
     """A trial's DeepSpeed engine (model, optimizer state, buffers) ends in reference cycles that only a full
