@@ -347,6 +347,32 @@ def test_optuna_study_lives_in_its_database_and_a_restored_searcher_continues_it
     assert [s.study_name for s in optuna.get_all_study_summaries(url)] == ["s1"]
 
 
+ACTOR_READS_CHECKPOINTS = """
+import sys
+from pathlib import Path
+from pyarrow import fs
+import hpsearch.tune.inprocess, hpsearch.tune.rankpool, hpsearch.tune.study
+from hpsearch.train import checkpoints
+folder = Path(sys.argv[1]) / "checkpoint_000001"
+folder.mkdir()
+checkpoints.write_report(folder, {"step": 20})
+for rank in (0, 1):
+    checkpoints.write_manifest(folder, rank)
+print(checkpoints.newest_unreported(fs.LocalFileSystem(), sys.argv[1], 2, None)[0][0],
+      checkpoints.read_report(folder)["step"], "torch" in sys.modules)
+"""
+
+
+def test_a_trials_actor_drives_kept_ranks_without_importing_torch(tmp_path):
+    """The trial's Tune actor only hands reports and checkpoint pointers between its ranks and Tune: importing what it
+    runs and reading the checkpoints' reports does not import torch (1 s and 180 MB of each trial actor here, on the
+    head node where a cluster keeps the trials' actors)."""
+    proc = subprocess.run([sys.executable, "-c", ACTOR_READS_CHECKPOINTS, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["20", "20", "False"]
+
+
 def test_a_trial_in_its_own_actor_frees_memory_before_and_after_it_trains(monkeypatch):
     """The wiring of `free_trial_memory` (its effect: tests/test_train.py): a reused actor never holds two trials'
     engines, nor the last one's while it waits."""

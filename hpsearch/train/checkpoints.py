@@ -6,6 +6,8 @@ weights-only unpickler (`TORCH_FORCE_WEIGHTS_ONLY_LOAD`, honoured by every `torc
 which rebuilds tensors, containers and numbers, plus the two DeepSpeed types a ZeRO checkpoint really holds
 (an enum and the loss scaler, both plain data); anything else is refused. The metrics a checkpoint was reported
 with travel beside it as JSON (`report.json`), so a run restored at its last step can report its result again.
+torch is imported where it is used: a trial's Tune actor that drives kept ranks reads reports and manifests here
+without it.
 """
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
 
 from hpsearch.errors import UserError
 from hpsearch.remotefs import download_dir
@@ -40,6 +40,8 @@ def _deepspeed_types() -> list:
 @contextmanager
 def weights_only_loads():
     """Within: every `torch.load` (DeepSpeed's included) unpickles weights-only, with DeepSpeed's data types."""
+    import torch
+
     before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
@@ -101,6 +103,8 @@ def is_result_only(directory: str | Path, report: dict | None) -> bool:
 def check_files(directory: str | Path) -> None:
     """Before anything starts: every checkpoint file under `directory` is a readable archive that holds only what
     the weights-only unpickler rebuilds (read without unpickling); else a one-line UserError naming the file."""
+    import torch
+
     allowed = {f"{t.__module__}.{t.__qualname__}" for t in _deepspeed_types()}
     for f in sorted(Path(directory).rglob("*.pt")):
         if _corrupt_file(f.parent, f.name):
@@ -148,6 +152,7 @@ def save_best(engine, rank: int, filesystem, path: str) -> None:
     """Rank 0 writes the weights training changes as safetensors at `path` of a pyarrow `filesystem`, in their
     training dtype (16-bit when training is): weights only, no optimizer state. Under ZeRO-3 the parameters are
     gathered one at a time, so no rank holds more than one full parameter beyond its shard. Every rank calls this."""
+    import torch
     from safetensors.torch import save
 
     state = gather_on_rank0(_trained(engine), rank)
@@ -166,6 +171,8 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
     or gathers the whole model, and nothing is broadcast. Otherwise every rank holds whole parameters and reads them
     whole. A file that is gone, unreadable or from another model is a one-line UserError on every rank. Every rank
     calls this."""
+    import torch
+
     from hpsearch.train.tensorfile import TensorFile
 
     trained = _trained(engine)
@@ -340,6 +347,8 @@ def read_report(directory: str | Path) -> dict | None:
 
 
 def rng_state() -> dict:
+    import torch
+
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -347,6 +356,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
