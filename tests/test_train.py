@@ -366,9 +366,10 @@ def test_the_op_built_under_one_path_is_not_rebuilt_under_another():
 def test_local_run_resume_equals_uninterrupted(tmp_path):
     proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full", env={"PYTHONPROFILEIMPORTTIME": "1"})
     full = final_json(proc)
-    # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s)
+    # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s; its
+    # attempt, refused, is listed as `mlflow` alone: an import that happens brings MLflow's own modules)
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "deepspeed" in imported and "mlflow" not in imported
+    assert "deepspeed" in imported and not [m for m in imported if m.startswith("mlflow.")]
     # where the start-up went, from the process's start to the end of step 1: its phases add up to the total
     phases = startup.parse(proc.stdout)
     assert list(phases) == ["total_s", "imports", "model and data", "DeepSpeed",
