@@ -83,10 +83,16 @@ def run_train_recording(steps_file, *args, timeout=600):
 
 
 def final_json(proc) -> dict:
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    errors = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:"))  # -X importtime
+    assert proc.returncode == 0, errors[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith('{"step"'), proc.stdout[-2000:]
     return json.loads(last)
+
+
+def imported_modules(proc) -> set[str]:
+    """The modules a process run with PYTHONPROFILEIMPORTTIME=1 imported (or tried to: a refused import is listed)."""
+    return {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
 
 
 # ---- DeepSpeed config ---------------------------------------------------------------------------------------------
@@ -368,8 +374,7 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     full = final_json(proc)
     # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s; its
     # attempt, refused, is listed as `mlflow` alone: an import that happens brings MLflow's own modules)
-    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "deepspeed" in imported and not [m for m in imported if m.startswith("mlflow.")]
+    assert "deepspeed" in imported_modules(proc) and not [m for m in imported_modules(proc) if m.startswith("mlflow.")]
     # where the start-up went, from the process's start to the end of step 1: its phases add up to the total
     phases = startup.parse(proc.stdout)
     assert list(phases) == ["total_s", "imports", "model and data", "DeepSpeed",
@@ -385,8 +390,11 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert 0 < full["majority_score"] < 100 and 0 < full["test_majority_score"] < 100
     assert full["chance_score"] < full["majority_score"]
     # resume from the step-20 checkpoint of the same run: the second half must repeat exactly
-    resumed = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/resumed",
-                                   "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20")))
+    resumed_proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/resumed", "--resume-from",
+                             str(tmp_path / "full" / "checkpoints" / "step_20"), env={"PYTHONPROFILEIMPORTTIME": "1"})
+    resumed = final_json(resumed_proc)
+    # its checkpoint check (which reads DeepSpeed's types) imports DeepSpeed first, also without MLflow
+    assert not [m for m in imported_modules(resumed_proc) if m.startswith("mlflow.")]
     assert resumed["step"] == 40
     assert resumed["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-6)
     assert resumed["score"] == pytest.approx(full["score"], abs=1e-6)

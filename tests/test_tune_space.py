@@ -1,6 +1,7 @@
 """Search spaces: the shipped files load; every mistake is one line naming file:line (or the override) and what
 is valid, raised before Ray starts; the define-by-run space honours conditions; the pieces of the study logic
 that need no cluster (concurrency, pruned trials, the analysis study)."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -363,6 +364,24 @@ print(checkpoints.newest_unreported(fs.LocalFileSystem(), sys.argv[1], 2, None)[
 """
 
 
+RANK_IMPORTS = """
+import sys
+import hpsearch.train.loop, hpsearch.train.rendezvous, hpsearch.tune.rankpool
+from hpsearch.train.ops import import_deepspeed
+import_deepspeed()
+print(sorted(m for m in sys.modules if m == "ray.train" or m.startswith("ray.train.")))
+"""
+
+
+def test_a_kept_rank_imports_what_it_trains_with_and_not_ray_train():
+    """A kept rank joins its process group through rendezvous.py (Ray Train's backend that does the same is in
+    torchconfig.py): importing what a rank runs brings no Ray Train module (0.7 s of each rank's start)."""
+    proc = subprocess.run([sys.executable, "-c", RANK_IMPORTS], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_trials_actor_drives_kept_ranks_without_importing_torch(tmp_path):
     """The trial's Tune actor only hands reports and checkpoint pointers between its ranks and Tune: importing what it
     runs and reading the checkpoints' reports does not import torch (1 s and 180 MB of each trial actor here, on the
@@ -388,6 +407,22 @@ def test_a_trial_in_its_own_actor_frees_memory_before_and_after_it_trains(monkey
     monkeypatch.setattr(loop, "train_loop", lambda config, session: calls.append(session))
     _train_in_this_actor(load_config(None, []), "/study/train/t1", None, None, None)
     assert calls == ["freeze", "free", "session at /study/train/t1", "free"]  # frozen before the trial builds
+
+
+def test_a_kept_rank_freezes_once_and_frees_memory_before_and_after_each_trial(monkeypatch):
+    """The wiring of `freeze_imports` and `free_trial_memory` on a kept rank (as in a trial's own actor, above)."""
+    import hpsearch.train.loop as loop
+    import hpsearch.tune.rankpool as rankpool
+
+    calls = []
+    monkeypatch.setattr(rankpool, "freeze_imports", lambda: calls.append("freeze"))
+    monkeypatch.setattr(rankpool, "free_trial_memory", lambda: calls.append("free"))
+    monkeypatch.setattr(rankpool, "PoolSession", lambda rank, token, path, filesystem, taken: f"{token} at {path}")
+    monkeypatch.setattr(loop, "train_loop", lambda config, session: calls.append(session))
+    rank = rankpool.Rank()
+    rank.rank = 1
+    assert rank.run("t1", {}, "/study/train/t1", None, None) == "done"
+    assert calls == ["freeze", "free", "t1 at /study/train/t1", "free"]  # frozen before the trial builds
 
 
 def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is_one_line(tmp_path):

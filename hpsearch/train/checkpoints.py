@@ -32,6 +32,9 @@ class DiskFull(UserError):
 
 
 def _deepspeed_types() -> list:
+    from hpsearch.train.ops import import_deepspeed
+
+    import_deepspeed()  # the first import of DeepSpeed in a process that resumes: without MLflow (ops.py)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     return [ZeroStageEnum, LossScaler, DynamicLossScaler]
