@@ -95,6 +95,12 @@ def imported_modules(proc) -> set[str]:
     return {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
 
 
+def imported_mlflow(proc) -> bool:
+    """Whether that process imported MLflow: a refused `import mlflow` is listed as `mlflow` alone, an import that
+    happens brings MLflow's own modules."""
+    return any(m.startswith("mlflow.") for m in imported_modules(proc))
+
+
 # ---- DeepSpeed config ---------------------------------------------------------------------------------------------
 def test_optimizer_groups_give_the_embedding_table_its_rate_only_when_asked_and_only_when_it_trains():
     from hpsearch.model import build_model
@@ -372,9 +378,8 @@ def test_the_op_built_under_one_path_is_not_rebuilt_under_another():
 def test_local_run_resume_equals_uninterrupted(tmp_path):
     proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full", env={"PYTHONPROFILEIMPORTTIME": "1"})
     full = final_json(proc)
-    # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s; its
-    # attempt, refused, is listed as `mlflow` alone: an import that happens brings MLflow's own modules)
-    assert "deepspeed" in imported_modules(proc) and not [m for m in imported_modules(proc) if m.startswith("mlflow.")]
+    # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s)
+    assert "deepspeed" in imported_modules(proc) and not imported_mlflow(proc)
     # where the start-up went, from the process's start to the end of step 1: its phases add up to the total
     phases = startup.parse(proc.stdout)
     assert list(phases) == ["total_s", "imports", "model and data", "DeepSpeed",
@@ -394,7 +399,7 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
                              str(tmp_path / "full" / "checkpoints" / "step_20"), env={"PYTHONPROFILEIMPORTTIME": "1"})
     resumed = final_json(resumed_proc)
     # its checkpoint check (which reads DeepSpeed's types) imports DeepSpeed first, also without MLflow
-    assert not [m for m in imported_modules(resumed_proc) if m.startswith("mlflow.")]
+    assert not imported_mlflow(resumed_proc)
     assert resumed["step"] == 40
     assert resumed["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-6)
     assert resumed["score"] == pytest.approx(full["score"], abs=1e-6)

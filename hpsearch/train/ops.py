@@ -49,7 +49,7 @@ def import_deepspeed():
 
 def load_ops(names: list[str]) -> list[str]:
     """Build (first time) or load each named DeepSpeed op this accelerator has; returns the names loaded."""
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
