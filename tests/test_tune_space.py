@@ -230,7 +230,7 @@ def test_a_trial_on_kept_ranks_asks_for_every_bundle_and_reuses_its_actor(tmp_pa
     """`worker_group: pool` (or `auto` with several workers): the trial's Tune actor asks for its own bundle and one
     per rank (its ranks start in those), Tune reuses it; with `always` the actor asks for its first bundle only (Ray
     Train places its workers)."""
-    from hpsearch.tune.cluster import in_process, pooled, trial_placement
+    from hpsearch.tune.cluster import in_process, pooled, trial_placement, uses_ray_train
     from hpsearch.tune.study import Study
 
     def space(extra):
@@ -243,6 +243,10 @@ def test_a_trial_on_kept_ranks_asks_for_every_bundle_and_reuses_its_actor(tmp_pa
     group = space("  worker_group: always\n")
     assert not pooled(group) and trial_placement(group).bundles == [{"CPU": 0.1}]
     assert not Study("s", tmp_path / "s", group).reuses_actors
+    # only Ray Train's worker group needs a private Ray's dashboard (launch.init_ray)
+    assert uses_ray_train(group) and not uses_ray_train(pool) and not uses_ray_train(space("  worker_group: auto\n"))
+    one = load_space(write(tmp_path, BASE + "resources:\n  workers: 1\n"))
+    assert in_process(one) and not uses_ray_train(one)
 
 
 def test_a_kept_rank_on_a_node_that_does_not_see_the_storage_fails_the_trial_in_one_line(tmp_path):

@@ -1,5 +1,6 @@
 """End to end: `python -m hpsearch.tune` runs short studies (Ray Tune + Optuna + ASHA launching the training
 recipe's TorchTrainer per trial) on this machine; the MLflow store is read back with `MlflowClient`."""
+import contextlib
 import ipaddress
 import json
 import os
@@ -44,8 +45,9 @@ def steps(client, run_id, key="loss"):
     return [m.step for m in client.get_metric_history(run_id, key)]
 
 
-def run_auditing_sockets(cmd, cwd, timeout):
-    """Run `cmd` to the end; every second, the listening sockets of its process tree that are not on loopback."""
+def run_auditing_sockets(cmd, cwd, timeout, commands=None):
+    """Run `cmd` to the end; every second, the listening sockets of its process tree that are not on loopback (and
+    into `commands`, a set, the command lines of its processes)."""
     out_path, err_path = Path(cwd) / "stdout.txt", Path(cwd) / "stderr.txt"
     exposed, seen = set(), 0
     with open(out_path, "w") as out, open(err_path, "w") as err:
@@ -56,6 +58,9 @@ def run_auditing_sockets(cmd, cwd, timeout):
                 tree = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
             except psutil.NoSuchProcess:
                 break
+            for pid in tree if commands is not None else ():
+                with contextlib.suppress(psutil.Error):
+                    commands.add(" ".join(psutil.Process(pid).cmdline()))
             for c in psutil.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN and c.pid in tree:
                     seen += 1
@@ -71,11 +76,16 @@ def run_auditing_sockets(cmd, cwd, timeout):
 
 @pytest.mark.slow
 def test_study_runs_trials_one_after_another_and_tracks_them_in_mlflow(tmp_path):
+    commands = set()
     out, exposed, seen = run_auditing_sockets(tune_cmd(tmp_path, "e2e", "--num-samples", "3", *SHORT), tmp_path,
-                                              timeout=900)
+                                              timeout=900, commands=commands)
     assert out.returncode == 0, out.stderr[-3000:]
-    # a private local Ray: its GCS, raylet, workers, dashboard and agents listen on loopback only
+    # a private local Ray: its GCS, raylet, workers, dashboard and agents listen on loopback only; its dashboard
+    # without its web front-end and modules (the trials train in their own actors: no Ray Train worker group asks
+    # its State API)
     assert seen > 10 and not exposed, exposed
+    heads = [c for c in commands if "ray/dashboard/dashboard.py" in c]
+    assert heads and all("--disable-frontend" in c for c in heads), heads
     assert "1 at a time" in out.stdout
     # the console: one line per trial event, no Tune table, no worker output, the report last
     console = out.stdout + out.stderr

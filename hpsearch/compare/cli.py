@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
     from hpsearch.compare.run import ComparisonRuns, make_tuner
     from hpsearch.tracking import ROLE_TAG, StudyRun
     from hpsearch.train import init_ray
-    from hpsearch.tune.cluster import concurrency
+    from hpsearch.tune.cluster import concurrency, uses_ray_train
 
     spec = comparison.spec
     parent = StudyRun.create(state["tracking_uri"], comparison.name, space_path=spec.path, space_text=spec.text,
@@ -133,7 +133,8 @@ def main(argv: list[str]) -> int:
     for note in notes:
         print(f"[hpsearch.compare] {note}", flush=True)
     try:
-        init_ray(spec.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
+        # workers' output: Ray's session logs; the console: trial events
+        init_ray(spec.config, log_to_driver=False, dashboard=uses_ray_train(spec))
         max_concurrent = concurrency(spec, ray.cluster_resources())
         n = len(spec.entries()) * len(spec.seeds)
         print(f"[hpsearch.compare] comparison '{comparison.name}': {len(spec.entries())} configurations x "
@@ -141,7 +142,9 @@ def main(argv: list[str]) -> int:
               f"{parent.tracking_uri} (run {parent.run_id})", flush=True)
         callbacks = [ComparisonRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, comparison)]
         tuner = make_tuner(comparison, callbacks, max_concurrent)
-        return _run(comparison, parent, tuner, sizes, tasks, notes)
+        code = _run(comparison, parent, tuner, sizes, tasks, notes)
+        ray.shutdown()  # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (in Ray's logs)
+        return code
     except KeyboardInterrupt:  # a second Ctrl-C: the runs are not left RUNNING
         parent.finish("KILLED")
         raise

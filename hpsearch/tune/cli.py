@@ -200,7 +200,7 @@ def main(argv: list[str]) -> int:
 
     from hpsearch.tracking import StudyRun, open_store
     from hpsearch.train import init_ray
-    from hpsearch.tune.cluster import concurrency, wait_for_nodes
+    from hpsearch.tune.cluster import concurrency, uses_ray_train, wait_for_nodes
     from hpsearch.tune.study import make_tuner, restore_tuner
     from hpsearch.tune.trialruns import TrialRuns
 
@@ -208,7 +208,8 @@ def main(argv: list[str]) -> int:
     overlap = not args.resume and not os.environ.get("RAY_ADDRESS")  # a new study, a private Ray to start
     with ThreadPoolExecutor(1) as pool:  # then MLflow's schema is set up while Ray starts
         store = pool.submit(open_store, state["tracking_uri"]) if overlap else None
-        init_ray(space.config, log_to_driver=False)  # workers' output: Ray's session logs; the console: trial events
+        # workers' output: Ray's session logs; the console: trial events
+        init_ray(space.config, log_to_driver=False, dashboard=uses_ray_train(space))
     if store is not None:
         store.result()  # its error, if any, as it would have come from StudyRun.create below
     if os.environ.get("RAY_ADDRESS"):  # a cluster: nodes may still have to come (a private Ray was checked above)
@@ -235,7 +236,10 @@ def main(argv: list[str]) -> int:
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
                                study.trial_config, study.outcome)
         tuner = make_tuner(study, [trial_runs], max_concurrent)
-    return _run_and_end(study, parent, tuner)
+    code = _run_and_end(study, parent, tuner)
+    # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (a study's goes to Ray's logs)
+    ray.shutdown()
+    return code
 
 
 def _run_and_end(study: Study, parent, tuner) -> int:
