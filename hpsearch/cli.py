@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable
 
@@ -16,7 +17,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:
-    """Run `main(argv)`; a `UserError` prints `error: <message>` (one line) and exits 2."""
+    """Run `main(argv)`; a `UserError` prints `error: <message>` (one line) and exits 2. At exit, the interpreter
+    skips its last collection (`_skip_last_collection`). A caller that catches the `SystemExit` (a test) goes on
+    collecting as before: that is an exit handler."""
+    import atexit
+
+    atexit.register(_skip_last_collection)  # handlers run last-registered first: after Ray's and MLflow's
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = main(argv)
@@ -24,3 +30,20 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = N
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
+
+
+def _skip_last_collection() -> None:
+    """Flush every open file, then freeze what the process left alive out of the collector. The interpreter's
+    last collection would walk every object of every module imported to free memory the OS takes back anyway: a
+    study's driver (about 490,000 objects of Ray, Tune, MLflow, pandas, matplotlib) 1.5-1.7 s, a `--local` run
+    (torch, transformers) 1.3-1.5 s of a 6.6 s run here. Only garbage in reference cycles is left to the OS; a file
+    among it (a module's global: modules and their functions are cycles) is flushed here, as its collection would
+    have, though not closed: a format with a trailer written on close (gzip) must be closed by its writer."""
+    import _io  # the C base of every file object; `io.IOBase` is an ABC, 10x slower to test 500,000 objects against
+    import gc
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _io._IOBase):  # not isinstance: it would read proxies' `__class__`
+            with contextlib.suppress(Exception):  # closed, read-only or detached: nothing to flush
+                obj.flush()
+    gc.freeze()

@@ -174,3 +174,33 @@ def test_a_mistake_is_said_before_any_heavy_library_loads(module, args, phrase, 
     message, loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert message and phrase in message, message
     assert loaded == [], loaded
+
+
+@pytest.mark.parametrize("ending, code", [("return 3", 3), ("raise UserError('no such field: x')", 2)])
+def test_a_command_skips_the_last_collection_at_exit_and_still_flushes_its_files(ending, code, tmp_path):
+    """`run_main`'s exit: what the process left alive is frozen (the interpreter's last collection walks none of
+    it), whether main returns or fails in one line; a file only that collection would have flushed (a module's
+    global) is flushed; in a process that catches the exit (a test), the collector is as before until it exits."""
+    script = f"""
+import atexit, gc, sys
+atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0, flush=True))  # runs after run_main's
+from hpsearch.cli import run_main
+from hpsearch.errors import UserError
+buffered = open(sys.argv[1], "w")  # never closed: the module's dict and main are a cycle
+
+def main(argv):
+    buffered.write("kept")
+    {ending}
+
+try:
+    run_main(main, [])
+except SystemExit as e:
+    print("caught", e.code, "frozen now:", gc.get_freeze_count() > 0, flush=True)
+    raise
+"""
+    out = tmp_path / "out.txt"
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout.splitlines() == [f"caught {code} frozen now: False", "frozen at exit: True"]
+    assert out.read_text() == "kept"
