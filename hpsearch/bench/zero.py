@@ -84,7 +84,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
                              "train.num_workers=1"])
     stages = [3, 0]
     created = _init_process_group()
-    load_ops(ops_for(offload_optimizer=False))
+    load_ops(ops_for())
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op builder prints; stdout is the report's
         deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -97,7 +97,7 @@ def _train(loop_config: dict, session) -> dict:
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
-    load_ops(ops_for(cfg.train.offload_optimizer))  # before DeepSpeed builds them, without a stale lock's hang
+    load_ops(ops_for())  # before DeepSpeed builds them, without a stale lock's hang
     deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
 

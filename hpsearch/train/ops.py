@@ -1,8 +1,9 @@
 """DeepSpeed's JIT-compiled ops, built once per machine without the stale-lock hang.
 
-On CPU, `deepspeed.init_distributed` compiles its shared-memory comm op (and `offload_optimizer` its CPU Adam) with
-`torch.utils.cpp_extension.load`. Every load, even of an op already built, creates `<build dir>/lock` for a moment
-and waits, forever, while that file exists. A process killed inside that moment (a trial stopped by ASHA, a job
+On CPU, `deepspeed.init_distributed` compiles its shared-memory comm op with `torch.utils.cpp_extension.load`
+(DeepSpeed's CPU Adam op is never needed: ZeRO-Offload steps torch's fused AdamW on the CPU, see dsconfig.py).
+Every load, even of an op already built, creates `<build dir>/lock` for a moment and waits, forever, while that
+file exists. A process killed inside that moment (a trial stopped by ASHA, a job
 cancelled during the first ~45 s compile) leaves the file behind, and every later DeepSpeed run on the machine
 hangs in `FileBaton.wait`.
 
@@ -27,7 +28,6 @@ import sys
 from pathlib import Path
 
 SHM_COMM = "ShareMemCommBuilder"  # deepspeed.comm's CPU all-reduce, built by init_distributed
-CPU_ADAM = "CPUAdamBuilder"  # DeepSpeedCPUAdam, built when the optimizer is offloaded
 
 
 def import_deepspeed():
@@ -85,6 +85,8 @@ def _ninja_of_this_environment() -> None:
         os.environ["PATH"] = os.pathsep.join([first, path]) if path else first
 
 
-def ops_for(offload_optimizer: bool) -> list[str]:
-    """The JIT ops DeepSpeed loads for a run (those its accelerator lacks are skipped by `load_ops`)."""
-    return [SHM_COMM] + ([CPU_ADAM] if offload_optimizer else [])
+def ops_for() -> list[str]:
+    """The JIT ops DeepSpeed loads for a run (those its accelerator lacks are skipped by `load_ops`): the comm op
+    only. An offloaded optimizer is torch's AdamW or Adafactor, not DeepSpeedCPUAdam, so its op (40 s to compile
+    on a new install here) is never built."""
+    return [SHM_COMM]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from adafactor_ref import adafactor_first_update  # noqa: E402
 
 dist.init_process_group("gloo")
-load_ops(ops_for(offload_optimizer=False))
+load_ops(ops_for())
 deepspeed.init_distributed("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 

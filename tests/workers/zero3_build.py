@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_methods import SETUPS  # noqa: E402
 
 dist.init_process_group("gloo")
-load_ops(ops_for(offload_optimizer=False))
+load_ops(ops_for())
 deepspeed.init_distributed("gloo")
 rank = dist.get_rank()
 TASKS = ["a", "b", "c"]

@@ -23,7 +23,7 @@ from hpsearch.train.checkpoints import load_best, save_best  # noqa: E402
 from hpsearch.train.ops import load_ops, ops_for  # noqa: E402
 
 dist.init_process_group("gloo")
-load_ops(ops_for(offload_optimizer=False))
+load_ops(ops_for())
 deepspeed.init_distributed("gloo")
 rank = dist.get_rank()
 HP = dict(placement="both", prompt_length_encoder=4, prompt_length_decoder=2, bottleneck=8)
