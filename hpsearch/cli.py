@@ -22,6 +22,7 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     collecting as before: that is an exit handler."""
     import atexit
 
+    atexit.unregister(_skip_last_collection)  # once per process, however often a test calls run_main
     atexit.register(_skip_last_collection)  # handlers run last-registered first: after Ray's and MLflow's
     argv = sys.argv[1:] if argv is None else argv
     try:
