@@ -37,9 +37,10 @@ def _skip_last_collection() -> None:
     """Flush every open file, then freeze what the process left alive out of the collector. The interpreter's
     last collection would walk every object of every module imported to free memory the OS takes back anyway: a
     study's driver (about 490,000 objects of Ray, Tune, MLflow, pandas, matplotlib) 1.5-1.7 s, a `--local` run
-    (torch, transformers) 1.3-1.5 s of a 6.6 s run here. Only garbage in reference cycles is left to the OS; a file
-    among it (a module's global: modules and their functions are cycles) is flushed here, as its collection would
-    have, though not closed: a format with a trailer written on close (gzip) must be closed by its writer."""
+    (torch, transformers) 1.3-1.5 s of a 6.6 s run here. What is reachable only through reference cycles, which at
+    exit includes every module's globals (a module and its functions are one), is then never finalized: an open
+    file is flushed here, as its finalizer would have, but not closed, so a writer that finishes on close (gzip, zip,
+    a pyarrow output stream) must be closed by its code, as every writer in hpsearch is (`with`)."""
     import _io  # the C base of every file object; `io.IOBase` is an ABC, 10x slower to test 500,000 objects against
     import gc
 

@@ -542,6 +542,32 @@ def test_cpu_offload_of_optimizer_and_parameters_trains(tmp_path):
     assert out["step"] == 6 and out["loss"] == out["loss"]  # finite
 
 
+def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
+    """Ray Train's worker group needs the dashboard (its State API), so `init_ray(dashboard=True)` starts it on
+    loopback and hands its address to every actor; without it, neither (a study whose trials never start a Train
+    worker group)."""
+    import ray
+    from ray._private import ray_constants
+
+    from hpsearch.config import load_config
+    from hpsearch.train.launch import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "1")  # init_ray's own changes, undone after
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
+    cfg = load_config(None, [])
+    init_ray(cfg, dashboard=True)
+    init_ray(cfg, dashboard=False)
+    on, off = calls
+    assert on["include_dashboard"] is True and on["dashboard_host"] == "127.0.0.1"
+    assert on["runtime_env"]["env_vars"]["RAY_API_SERVER_ADDRESS"] == f"http://127.0.0.1:{on['dashboard_port']}"
+    assert off["include_dashboard"] is False and "dashboard_port" not in off and "dashboard_host" not in off
+    assert "RAY_API_SERVER_ADDRESS" not in off["runtime_env"]["env_vars"]
+    assert on["_node_ip_address"] == off["_node_ip_address"] == "127.0.0.1"  # every service on loopback either way
+
+
 def test_one_rank_process_group_ignores_a_master_address_inherited_from_the_shell():
     """`--local` and in-process trials start a process group of one rank: a MASTER_ADDR / MASTER_PORT left in the
     user's environment (another job's rendezvous) must not be dialled."""

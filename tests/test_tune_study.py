@@ -442,11 +442,15 @@ def test_a_trial_whose_processes_are_killed_is_retried_from_its_checkpoint(tmp_p
         victims[-1].kill()
         out, err = proc.communicate(timeout=600)
         logs = "".join(p.read_text(errors="replace") for p in Path(ray_tmp).glob("ray/session_*/logs/worker-*.out"))
+        # the dashboard's State API, which Ray Train's placement-group cleaner asks, runs only when a trial launches
+        # Ray Train's worker group (without it the retried trial's worker group would wait for the old one forever)
+        state_api = list(Path(ray_tmp).glob("ray/session_*/logs/dashboard_StateHead.log"))
     finally:
         if proc.poll() is None:
             proc.kill()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, err[-3000:]
+    assert bool(state_api) == (workers == "2"), state_api
     assert out.count(" restarted after a failure") == 1 and out.count(" started (1/1)") == 1, out[-3000:]
     assert set(re.findall(r"resumed from \S+ at step (\d+)", logs)) == {"100"}, logs[-3000:]  # not from step 0
     client, parents, children = study_runs(tmp_path, "oom")

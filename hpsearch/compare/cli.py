@@ -143,14 +143,14 @@ def main(argv: list[str]) -> int:
         callbacks = [ComparisonRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, comparison)]
         tuner = make_tuner(comparison, callbacks, max_concurrent)
         code = _run(comparison, parent, tuner, sizes, tasks, notes)
-        ray.shutdown()  # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (in Ray's logs)
-        return code
     except KeyboardInterrupt:  # a second Ctrl-C: the runs are not left RUNNING
         parent.finish("KILLED")
         raise
     except BaseException:  # the driver crashed
         parent.finish("FAILED")
         raise
+    ray.shutdown()  # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (in Ray's logs)
+    return code
 
 
 def _run(comparison, parent, tuner, sizes, tasks, notes) -> int:

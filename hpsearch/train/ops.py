@@ -1,7 +1,7 @@
 """DeepSpeed's JIT-compiled ops, built once per machine without the stale-lock hang.
 
 On CPU, `deepspeed.init_distributed` compiles its shared-memory comm op with `torch.utils.cpp_extension.load`
-(DeepSpeed's CPU Adam op is never needed: ZeRO-Offload steps torch's fused AdamW on the CPU, see dsconfig.py).
+(DeepSpeed's CPU Adam op is never needed: ZeRO-Offload steps torch's AdamW or Adafactor on the CPU, see dsconfig.py).
 Every load, even of an op already built, creates `<build dir>/lock` for a moment and waits, forever, while that
 file exists. A process killed inside that moment (a trial stopped by ASHA, a job
 cancelled during the first ~45 s compile) leaves the file behind, and every later DeepSpeed run on the machine

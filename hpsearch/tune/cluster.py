@@ -34,11 +34,11 @@ def pooled(space: SearchSpace) -> bool:
     return r.worker_group == "pool" or (r.worker_group == "auto" and not in_process(space))
 
 
-
 def uses_ray_train(space: SearchSpace) -> bool:
     """Whether a trial launches Ray Train's worker group (`resources.worker_group=always`): neither `in_process`
     nor `pooled`. Only then does a private local Ray need its dashboard (launch.init_ray)."""
     return not in_process(space) and not pooled(space)
+
 
 def trial_bundles(space: SearchSpace) -> list[dict[str, float]]:
     """One trial's demand as placement bundles: its driver, then each Train worker; a trial that trains in its own
