@@ -20,10 +20,12 @@ FAST = ["train.max_steps=40", "train.eval_every=20", "train.log_every=10", "trai
         "data.synthetic_train_rows=300", "data.synthetic_eval_rows=60", "train.lr=3e-3", "train.warmup_steps=5"]
 
 
-def run_train(*args, timeout=600, cwd=None, env=None):
+def run_train(*args, timeout=600, cwd=None, env=None, script=None):
+    """`python -m hpsearch.train *args`, or with `script`, `python -c script *args` (the recipe with a change)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hpsearch.train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+    entry = ["-c", script] if script else ["-m", "hpsearch.train"]
+    return subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=cwd)
 
 
 # `python -m hpsearch.train` whose Ray Train run also has a callback (in Train's controller) appending the step of
@@ -77,9 +79,7 @@ finally:
 
 
 def run_train_recording(steps_file, *args, timeout=600):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-c", RECORDING, str(steps_file), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run_train(str(steps_file), *args, timeout=timeout, script=RECORDING)
 
 
 def final_json(proc) -> dict:
@@ -501,9 +501,8 @@ print(frozen, gc.get_freeze_count())
 def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
     """The engine a run leaves is in reference cycles (only a full collection frees it): an actor that trains the next
     trial would hold two models at once without `free_trial_memory`."""
-    run = subprocess.run([sys.executable, "-c", RELEASED, "train.max_steps=4", "train.eval_every=4",
-                          "train.micro_batch_size=8", f"train.output_dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
+    run = run_train("train.max_steps=4", "train.eval_every=4", "train.micro_batch_size=8",
+                    f"train.output_dir={tmp_path}", timeout=300, script=RELEASED)
     assert run.returncode == 0, run.stderr[-2000:]
     (engines, params), after, (frozen, frozen_later) = [tuple(map(int, ln.split()))
                                                         for ln in run.stdout.splitlines()[-3:]]
@@ -532,11 +531,9 @@ run_main(main, sys.argv[1:])
 def test_cpu_offload_of_optimizer_and_parameters_trains(tmp_path):
     """ZeRO-Offload steps torch's AdamW on the CPU: DeepSpeed's CPU Adam op (a 40 s compile on a new install) is
     neither built nor loaded."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_CPU_ADAM, "--local", "train.max_steps=6",
-                           "train.eval_every=6", "train.offload_optimizer=true", "train.offload_params=true",
-                           "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_train("--local", "train.max_steps=6", "train.eval_every=6", "train.offload_optimizer=true",
+                     "train.offload_params=true", "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}",
+                     script=WITHOUT_CPU_ADAM)
     assert "offload" in proc.stdout and "ZeRO stage 3" in proc.stdout, proc.stdout[-2000:]
     out = final_json(proc)
     assert out["step"] == 6 and out["loss"] == out["loss"]  # finite
@@ -622,10 +619,8 @@ run_main(main, sys.argv[2:])
 def test_a_full_disk_at_the_export_is_one_line_naming_where(tmp_path, where):
     """Checkpoints fit but the export does not: one line naming where and how to go on, exit 2, no traceback; after
     space is freed the run resumes from its last checkpoint and exports."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     args = ["--local", *FAST, "train.max_steps=8", "train.eval_every=4", f"train.output_dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-c", EXPORT_DISK_FULL, where, *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = run_train(where, *args, script=EXPORT_DISK_FULL)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     named = tmp_path / "model" / "model.safetensors" if where == "file" else tmp_path
