@@ -569,7 +569,7 @@ def test_one_rank_process_group_ignores_a_master_address_inherited_from_the_shel
     """`--local` and in-process trials start a process group of one rank: a MASTER_ADDR / MASTER_PORT left in the
     user's environment (another job's rendezvous) must not be dialled."""
     code = ("import torch, deepspeed; from hpsearch.train.loop import _init_single_process_group as init; "
-            "from hpsearch.train.ops import load_ops, ops_for; init('gloo'); load_ops(ops_for()); "
+            "from hpsearch.train.ops import load_ops; init('gloo'); load_ops(); "
             "deepspeed.init_distributed('gloo'); t = torch.ones(2); torch.distributed.all_reduce(t); "
             "print(torch.distributed.get_world_size(), t.tolist())")  # load_ops: no lock left if the timeout kills it
     env = {**os.environ, "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "1", "DS_ACCELERATOR": "cpu",

@@ -74,7 +74,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
     from hpsearch.train.dsconfig import auto_zero_stage
-    from hpsearch.train.ops import import_deepspeed, load_ops, ops_for
+    from hpsearch.train.ops import import_deepspeed, load_ops
 
     deepspeed = import_deepspeed()
 
@@ -84,7 +84,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
                              "train.num_workers=1"])
     stages = [3, 0]
     created = _init_process_group()
-    load_ops(ops_for())
+    load_ops()
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's op builder prints; stdout is the report's
         deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
-from hpsearch.train.ops import import_deepspeed, load_ops, ops_for
+from hpsearch.train.ops import import_deepspeed, load_ops
 from hpsearch.train.prefetch import Prefetch
 from hpsearch.train.sessions import RaySession
 
@@ -97,7 +97,7 @@ def _train(loop_config: dict, session) -> dict:
     rank, world = session.rank, session.world_size
     if not torch.distributed.is_initialized():
         _init_single_process_group("nccl" if cfg.train.use_gpu else "gloo")
-    load_ops(ops_for())  # before DeepSpeed builds them, without a stale lock's hang
+    load_ops()  # before DeepSpeed builds them, without a stale lock's hang
     deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
 

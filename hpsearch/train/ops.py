@@ -25,9 +25,13 @@ import contextlib
 import fcntl
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 SHM_COMM = "ShareMemCommBuilder"  # deepspeed.comm's CPU all-reduce, built by init_distributed
+# the JIT ops a run loads (those its accelerator lacks are skipped): the comm op only. An offloaded optimizer is
+# torch's AdamW or Adafactor, not DeepSpeedCPUAdam, so its op (40 s to compile on a new install here) is never built
+RUN_OPS = (SHM_COMM,)
 
 
 def import_deepspeed():
@@ -47,8 +51,9 @@ def import_deepspeed():
     return deepspeed
 
 
-def load_ops(names: list[str]) -> list[str]:
-    """Build (first time) or load each named DeepSpeed op this accelerator has; returns the names loaded."""
+def load_ops(names: Sequence[str] = RUN_OPS) -> list[str]:
+    """Build (first time) or load each named DeepSpeed op this accelerator has (by default those a run needs);
+    returns the names loaded."""
     deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
@@ -83,10 +88,3 @@ def _ninja_of_this_environment() -> None:
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != first:
         os.environ["PATH"] = os.pathsep.join([first, path]) if path else first
-
-
-def ops_for() -> list[str]:
-    """The JIT ops DeepSpeed loads for a run (those its accelerator lacks are skipped by `load_ops`): the comm op
-    only. An offloaded optimizer is torch's AdamW or Adafactor, not DeepSpeedCPUAdam, so its op (40 s to compile
-    on a new install here) is never built."""
-    return [SHM_COMM]

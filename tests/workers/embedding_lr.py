@@ -20,13 +20,13 @@ import torch.distributed as dist  # noqa: E402
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.model import build_model  # noqa: E402
 from hpsearch.train import deepspeed_config, optimizer_and_schedule  # noqa: E402
-from hpsearch.train.ops import load_ops, ops_for  # noqa: E402
+from hpsearch.train.ops import load_ops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from adafactor_ref import adafactor_first_update  # noqa: E402
 
 dist.init_process_group("gloo")
-load_ops(ops_for())
+load_ops()
 deepspeed.init_distributed("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 

@@ -15,13 +15,13 @@ import torch.distributed as dist  # noqa: E402
 
 from hpsearch.model import build_from_config, build_skeleton, model_config  # noqa: E402
 from hpsearch.train.build import ModelBuilder, fill_from_rank0  # noqa: E402
-from hpsearch.train.ops import load_ops, ops_for  # noqa: E402
+from hpsearch.train.ops import load_ops  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_methods import SETUPS  # noqa: E402
 
 dist.init_process_group("gloo")
-load_ops(ops_for())
+load_ops()
 deepspeed.init_distributed("gloo")
 rank = dist.get_rank()
 TASKS = ["a", "b", "c"]

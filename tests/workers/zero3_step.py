@@ -20,10 +20,10 @@ from safetensors import safe_open  # noqa: E402
 
 from hpsearch.model import build_model  # noqa: E402
 from hpsearch.train.checkpoints import load_best, save_best  # noqa: E402
-from hpsearch.train.ops import load_ops, ops_for  # noqa: E402
+from hpsearch.train.ops import load_ops  # noqa: E402
 
 dist.init_process_group("gloo")
-load_ops(ops_for())
+load_ops()
 deepspeed.init_distributed("gloo")
 rank = dist.get_rank()
 HP = dict(placement="both", prompt_length_encoder=4, prompt_length_decoder=2, bottleneck=8)
