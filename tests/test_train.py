@@ -826,3 +826,20 @@ def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_p
             assert r["table"] == pytest.approx(1e-3 * scale, rel=1e-3), key
             assert max(r["others"]) == pytest.approx(1e-3, rel=1e-3), key
             assert min(r["others"]) > 0, key  # every weight trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_one_rank_at_stage_0_skips_the_gradient_reduction_and_trains_the_same(tmp_path, ranks):
+    """The recipe's backward against DeepSpeed's own at stage 0 (tests/workers/grad_sync.py): one rank never
+    reduces (nothing to average) and ends with bitwise the same weights; two ranks reduce at every backward and
+    both end with the same weights, those of DeepSpeed's own path."""
+    from test_zero3 import run_workers
+
+    run_workers("grad_sync.py", tmp_path, timeout=600, ranks=ranks)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r in reports:
+        assert r["world"] == ranks and r["deepspeed_reductions"] == 3
+        assert r["recipe_reductions"] == (0 if ranks == 1 else 3)
+        assert r["max_diff"] == 0.0 and r["moved"] > 1e-3
+    assert len({r["weights_sha256"] for r in reports}) == 1  # the ranks' replicas agree

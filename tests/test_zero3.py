@@ -14,13 +14,13 @@ METHODS = ("hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "mtl", 
            "hyperformer", "prefix", "lora", "mam", "pha")
 
 
-def run_workers(worker: str, out_dir, timeout: int) -> None:
-    """Run tests/workers/<worker> on 2 ranks under torchrun (gloo, DeepSpeed on CPU); it writes its reports to
+def run_workers(worker: str, out_dir, timeout: int, ranks: int = 2) -> None:
+    """Run tests/workers/<worker> on `ranks` ranks under torchrun (gloo, DeepSpeed on CPU); it writes its reports to
     `out_dir`."""
     from hpsearch.train.launch import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                           str(Path(__file__).parent / "workers" / worker), str(out_dir)],
                          env=env, capture_output=True, text=True, timeout=timeout)

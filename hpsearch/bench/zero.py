@@ -2,7 +2,8 @@
 
 The model is the run config's default method at the benchmark's shape; the DeepSpeed config is the one the
 training recipe generates (`hpsearch.train.deepspeed_config`) for the config's ZeRO stage, for stage 3 and for
-stage 0. The plain loop does what the engine does: forward, backward, gradient clipping, AdamW, LR schedule.
+stage 0. The plain loop does what the engine does: forward, backward, gradient clipping, AdamW, LR schedule; the
+engine's backward is the recipe's (`gradient_sync`: one rank at stage 0 does not reduce its gradients).
 """
 from __future__ import annotations
 
@@ -53,14 +54,17 @@ def engine_step(model, cfg, batch):
     import deepspeed
 
     from hpsearch.train import deepspeed_config, optimizer_and_schedule
+    from hpsearch.train.loop import gradient_sync
 
+    stage = cfg.train.zero_stage
     optimizer, scheduler = optimizer_and_schedule(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, 1, hidden=model.config.d_model))
 
     def step():
         loss = engine(**batch).loss
-        engine.backward(loss)
+        with gradient_sync(engine, 1, stage):  # the recipe's backward
+            engine.backward(loss)
         engine.step()
     return step, engine
 

@@ -1,0 +1,78 @@
+"""Run under torchrun (1 or 2 ranks, gloo, DS_ACCELERATOR=cpu): the recipe's backward (`gradient_sync` around
+`engine.backward`) against DeepSpeed's own (every backward reduces), at ZeRO stage 0, from the same weights, on
+batches that differ by rank, three steps each (dropout on, seeded alike). Reports, per rank: how many times each
+engine reduced its gradients, the largest difference between their weights, how far the weights moved, and a hash
+of the recipe's weights (every rank must end with the same ones).
+
+Writes a JSON report per rank to argv[1]; tests/test_train.py asserts on it.
+"""
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hpsearch.config import load_config  # noqa: E402
+from hpsearch.model import build_model  # noqa: E402
+from hpsearch.train import deepspeed_config, optimizer_and_schedule  # noqa: E402
+from hpsearch.train.loop import gradient_sync  # noqa: E402
+from hpsearch.train.ops import load_ops  # noqa: E402
+
+dist.init_process_group("gloo")
+load_ops()
+deepspeed.init_distributed("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+cfg = load_config(None, ["train.lr=1e-2", "train.warmup_steps=0", "train.max_steps=10", "train.micro_batch_size=2",
+                         "train.zero_stage=0"])
+
+
+def engine():
+    """A stage-0 engine of the recipe's config, and the list its gradient reductions are counted in."""
+    torch.manual_seed(0)
+    model = build_model("t5-tiny", "hyperprompt", ["a", "b"])
+    optimizer, scheduler = optimizer_and_schedule(model, cfg)
+    e, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                 config=deepspeed_config(cfg, world, 0, hidden=model.config.d_model))
+    calls, reduce = [], e.allreduce_gradients
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reduce(*args, **kwargs)
+    e.allreduce_gradients = counted
+    return e, calls
+
+
+def train(e, recipe: bool) -> dict:
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own rows
+        batch = dict(input_ids=torch.randint(3, 200, (2, 9), generator=g),
+                     labels=torch.randint(3, 200, (2, 4), generator=g), task_ids=torch.tensor([0, 1]))
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        torch.manual_seed(step)  # the same dropout masks in both engines
+        e.train()
+        loss = e(**batch).loss
+        if recipe:
+            with gradient_sync(e, world, 0):
+                e.backward(loss)
+        else:
+            e.backward(loss)
+        e.step()
+    return {n: p.detach().clone() for n, p in e.module.named_parameters()}
+
+
+ours, our_calls = engine()
+start = {n: p.detach().clone() for n, p in ours.module.named_parameters()}
+theirs, their_calls = engine()
+mine, reference = train(ours, True), train(theirs, False)
+flat = torch.cat([mine[n].flatten() for n in sorted(mine)])
+report = {"world": world, "recipe_reductions": len(our_calls), "deepspeed_reductions": len(their_calls),
+          "max_diff": max((mine[n] - reference[n]).abs().max().item() for n in mine),
+          "moved": max((mine[n] - start[n]).abs().max().item() for n in mine),
+          "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(report))
+dist.destroy_process_group()
