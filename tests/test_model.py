@@ -387,6 +387,39 @@ def test_named_shapes_build_offline_with_published_sizes():
     assert model.t5.config.d_model == 64
 
 
+@pytest.mark.parametrize("ff,tied", [("relu", True), ("gated-gelu", False)])  # T5 and T5 v1.1
+def test_a_new_backbone_has_the_stock_constructors_initial_weights_in_distribution(ff, tied):
+    """`new_t5` skips torch's default initialisation (T5's own overwrites it): every weight must still be drawn as
+    the stock `T5ForConditionalGeneration(config)` draws it (same mean and spread per tensor, constant ones equal),
+    nothing left uninitialised, the embeddings tied as the stock model's, and a seed gives the same weights again."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hpsearch.model.backbones import new_t5
+
+    config = T5Config(d_model=128, d_ff=512, num_layers=2, num_heads=4, d_kv=32, vocab_size=3000,
+                      feed_forward_proj=ff, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    stock = T5ForConditionalGeneration(config)
+    torch.manual_seed(1)
+    ours = new_t5(config)
+    torch.manual_seed(1)
+    again = new_t5(config)
+    for model in (stock, ours):  # transformers 5 ties T5's output layer whatever the config says
+        assert model.lm_head.weight is model.shared.weight and model.encoder.embed_tokens.weight is model.shared.weight
+    stock_params = dict(stock.named_parameters())
+    assert [n for n, _ in ours.named_parameters()] == list(stock_params)
+    for (name, w), w_again in zip(ours.named_parameters(), again.parameters()):
+        ref, n = stock_params[name].detach(), w.numel()
+        assert torch.equal(w, w_again), name
+        assert torch.isfinite(w).all(), name
+        if ref.std() == 0:  # layer norms: ones
+            assert torch.equal(w, ref), name
+            continue
+        sigma = ref.std().item()  # a sample's std and mean vary by sigma/sqrt(2n) and sigma/sqrt(n)
+        assert abs(w.std().item() / sigma - 1) < 6 / (2 * n) ** 0.5, name
+        assert abs(w.mean().item() - ref.mean().item()) < 6 * sigma / n ** 0.5, name
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(variant="shared"), "model.variant"),
     (dict(placement="middle"), "model.placement"),

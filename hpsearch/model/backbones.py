@@ -131,13 +131,30 @@ def check_local_backbone(backbone: str) -> None:
     _check_local(backbone)
 
 
+def new_t5(config: T5Config, init: bool = True) -> T5ForConditionalGeneration:
+    """`T5ForConditionalGeneration(config)` without torch's default initialisation of each layer, which T5's own
+    (`init_weights`: every weight, then the tied embeddings) overwrites anyway: 0.8 s instead of 1.2 s at t5-small
+    here. The same distribution per weight as the stock constructor's (tested), though not the same draws for a
+    seed. `init=False` skips T5's too (the weights are `torch.empty`'s until the caller loads every one of them)."""
+    from transformers import T5ForConditionalGeneration
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # torch.nn.init's functions and PreTrainedModel.init_weights do nothing in here
+        model = T5ForConditionalGeneration(config)
+    if init:
+        model.init_weights()
+    else:
+        model.tie_weights()
+    return model
+
+
 def load_backbone(backbone, vocab_size: int | None = None, dropout: float | None = None
                   ) -> T5ForConditionalGeneration:
     """A T5ForConditionalGeneration: random weights for a named shape or config, else `from_pretrained`."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     if isinstance(backbone, T5Config) or is_named_shape(backbone):
-        return T5ForConditionalGeneration(backbone_config(backbone, vocab_size, dropout))
+        return new_t5(backbone_config(backbone, vocab_size, dropout))
     config = backbone_config(backbone, dropout=dropout)
     source = str(Path(backbone)) if Path(backbone).exists() else backbone
     return T5ForConditionalGeneration.from_pretrained(source, config=config)

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import T5ForConditionalGeneration
 
 from hpsearch.model.attention import self_attention_modules
+from hpsearch.model.backbones import new_t5
 from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, row_linear
 
 LORA_PROJECTIONS = ("q", "v")
@@ -89,8 +90,8 @@ class LoRAT5(MultiTaskT5):
                                    "deepspeed.zero.GatheredParameters(list(model.parameters())) or pass state=")
             weights[key] = w + (self.lora[name].scaling * (b[index].double() @ a[index].double())).to(w.dtype)
         config = self.t5.config.__class__(**self.t5.config.to_dict())
-        merged = T5ForConditionalGeneration(config)
-        merged.load_state_dict(weights)
+        merged = new_t5(config, init=False)
+        merged.load_state_dict(weights)  # every weight
         merged.set_attn_implementation("sdpa")
         ref = weights["shared.weight"]
         return merged.to(device=ref.device, dtype=ref.dtype).eval()

@@ -117,14 +117,13 @@ class SpanCorruption:
 
     def finish(self, engine, best: dict) -> dict:
         """The loaded weights as a plain T5 checkpoint with the tokenizer: <train.output_dir>/backbone."""
-        from transformers import T5ForConditionalGeneration
-
+        from hpsearch.model.backbones import new_t5
         from hpsearch.train.objective import gathered_state
 
         target = Path(self.cfg.train.output_dir) / BACKBONE_DIR
 
         def export(state):
-            t5 = T5ForConditionalGeneration(self.model.t5.config)
+            t5 = new_t5(self.model.t5.config, init=False)
             t5.load_state_dict({k.removeprefix("t5."): v for k, v in state.items() if k.startswith("t5.")})
             partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             shutil.rmtree(partial, ignore_errors=True)
