@@ -32,7 +32,7 @@ class TrainConfig:
     cpus_per_worker: float = 0.9          # Ray resources per worker (the Tune driver keeps 0.1 of a CPU)
     gpus_per_worker: float = 1.0
     precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
-    zero_stage: int | str = "auto"        # 0-3, or auto: 0 when the training state fits a worker, else 3
+    zero_stage: int | str = "auto"        # 0-3, or auto: 0 when the training state fits a worker or one trains, else 3
     zero_init: bool | str = "auto"        # stage 3: build under deepspeed.zero.Init (auto: on GPU workers)
     offload_optimizer: bool = False       # ZeRO-Offload of optimizer states to CPU
     offload_params: bool = False          # ZeRO-Infinity style parameter offload to CPU (stage 3)

@@ -229,20 +229,34 @@ def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     assert DeepSpeedConfig(cpu).zero_config.reduce_bucket_size == 5e8  # without the model's size: DeepSpeed's own
 
 
-def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_does_not():
+def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_does_not(monkeypatch):
+    import psutil
+    import torch
+
     from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config
+    from hpsearch.train.loop import _zero_stage
 
     cfg = load_config(None, [])
     assert cfg.train.zero_stage == "auto"
     gib = 2**30
-    assert auto_zero_stage(cfg, 60_000_000, 12 * gib)[0] == 0  # t5-small: ~0.9 GiB of training state
-    assert auto_zero_stage(cfg, 220_000_000, 6 * gib)[0] == 3  # t5-base: 3.3 GiB > half of 6 GiB
-    assert auto_zero_stage(cfg, 11_000_000_000, 80 * gib)[0] == 3  # t5-11b on an 80 GB GPU
-    assert auto_zero_stage(load_config(None, ["train.offload_optimizer=true"]), 60_000_000, 12 * gib)[0] == 2
-    assert auto_zero_stage(load_config(None, ["train.offload_params=true"]), 60_000_000, 12 * gib)[0] == 3
+    assert auto_zero_stage(cfg, 60_000_000, 12 * gib, 2)[0] == 0  # t5-small: ~0.9 GiB of training state
+    assert auto_zero_stage(cfg, 220_000_000, 6 * gib, 2)[0] == 3  # t5-base: 3.3 GiB > half of 6 GiB
+    assert auto_zero_stage(cfg, 11_000_000_000, 80 * gib, 8)[0] == 3  # t5-11b on 80 GB GPUs
+    offload = load_config(None, ["train.offload_optimizer=true"])
+    assert auto_zero_stage(offload, 60_000_000, 12 * gib, 2)[0] == 2
+    assert auto_zero_stage(load_config(None, ["train.offload_params=true"]), 60_000_000, 12 * gib, 2)[0] == 3
     # Adafactor needs each weight whole: auto keeps stage 0 even when ZeRO-3 would have partitioned the model
-    stage, why = auto_zero_stage(load_config(None, ["train.optimizer=adafactor"]), 220_000_000, 6 * gib)
+    stage, why = auto_zero_stage(load_config(None, ["train.optimizer=adafactor"]), 220_000_000, 6 * gib, 2)
     assert stage == 0 and "may run out of memory" in why
+    # one worker has nothing to partition across: stage 0 (said to be tight), or 2 when the optimizer is offloaded
+    stage, why = auto_zero_stage(cfg, 220_000_000, 6 * gib, 1)
+    assert stage == 0 and "may run out of memory" in why and "one worker" in why
+    assert auto_zero_stage(offload, 220_000_000, 6 * gib, 1)[0] == 2
+    # the loop asks with its world size (and a CPU worker's share of the node's memory)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=12 * gib))
+    for world, local, want in ((1, 1, 0), (2, 2, 3), (2, 1, 3)):
+        session = SimpleNamespace(world_size=world, local_world_size=local)
+        assert _zero_stage(cfg, 500_000_000, torch.device("cpu"), session, 0) == want  # 7.5 GiB of state
     assert deepspeed_config(cfg, 2, 0)["zero_optimization"]["stage"] == 0
     fixed = load_config(None, ["train.zero_stage=1"])
     assert fixed.train.zero_stage == 1 and deepspeed_config(fixed, 2, 0)["zero_optimization"]["stage"] == 1
@@ -830,16 +844,20 @@ def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_one_rank_at_stage_0_skips_the_gradient_reduction_and_trains_the_same(tmp_path, ranks):
-    """The recipe's backward against DeepSpeed's own at stage 0 (tests/workers/grad_sync.py): one rank never
-    reduces (nothing to average) and ends with bitwise the same weights; two ranks reduce at every backward and
-    both end with the same weights, those of DeepSpeed's own path."""
+def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying(tmp_path, ranks):
+    """The recipe at stage 0 (tests/workers/stage0.py). Its backward against DeepSpeed's own: one rank never reduces
+    (nothing to average) and ends with bitwise the same weights; two ranks reduce at every backward and both end
+    with the same weights, those of DeepSpeed's own path. The export's gather hands rank 0 the model's own tensors
+    (whole already: copying them cost 0.6 s at t5-small), equal to the weights, and the other ranks nothing."""
     from test_zero3 import run_workers
 
-    run_workers("grad_sync.py", tmp_path, timeout=600, ranks=ranks)
+    run_workers("stage0.py", tmp_path, timeout=600, ranks=ranks)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
     for r in reports:
         assert r["world"] == ranks and r["deepspeed_reductions"] == 3
         assert r["recipe_reductions"] == (0 if ranks == 1 else 3)
         assert r["max_diff"] == 0.0 and r["moved"] > 1e-3
     assert len({r["weights_sha256"] for r in reports}) == 1  # the ranks' replicas agree
+    first, *others = reports
+    assert first["export_tensors"] > 40 and first["export_own"] == first["export_tensors"] and first["export_equal"]
+    assert all(r["export_none"] for r in others)

@@ -94,7 +94,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
     torch.manual_seed(0)
     base = build_from_config(cfg.model, [f"task{i}" for i in range(n_tasks)])
     batch = make_batch(base.config.vocab_size, n_tasks, batching, batch_shape)
-    auto, _ = auto_zero_stage(cfg, sum(p.numel() for p in base.parameters()), psutil.virtual_memory().total)
+    auto, _ = auto_zero_stage(cfg, sum(p.numel() for p in base.parameters()), psutil.virtual_memory().total, 1)
     log(f"DeepSpeed stages {stages} vs a plain loop: {cfg.model.method} at {shape} (zero_stage=auto: {auto})")
     pool, errors, engines = Pool(), {}, []
     plain = copy.deepcopy(base)

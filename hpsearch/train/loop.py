@@ -238,7 +238,7 @@ def gradient_sync(engine, world: int, stage: int):
     """The context `engine.backward` runs in. A single rank at ZeRO stage 0 has no one to average its gradients
     with, yet DeepSpeed would still flatten every gradient into buckets, all-reduce them over that one rank and copy
     them back after each backward (4-6 % of a one-worker t5-small step here); its `no_sync()` skips that, and the
-    weights come out bitwise the same (tests/workers/grad_sync.py). Anything else reduces as DeepSpeed does: several
+    weights come out bitwise the same (tests/workers/stage0.py). Anything else reduces as DeepSpeed does: several
     ranks average their gradients, and stages 1-3 reduce into their partitions (`no_sync` refuses stages 2-3)."""
     return engine.no_sync() if world == 1 and stage == 0 else contextlib.nullcontext()
 
@@ -257,7 +257,7 @@ def _zero_stage(cfg, n_params: int, device, session, rank) -> int:
     memory = torch.tensor([float(memory)], device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MIN)
-    stage, why = auto_zero_stage(cfg, n_params, memory.item())
+    stage, why = auto_zero_stage(cfg, n_params, memory.item(), session.world_size)
     _rank0_print(rank, f"ZeRO stage {stage} (train.zero_stage=auto: {why})")
     return stage
 

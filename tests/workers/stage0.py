@@ -1,8 +1,11 @@
-"""Run under torchrun (1 or 2 ranks, gloo, DS_ACCELERATOR=cpu): the recipe's backward (`gradient_sync` around
-`engine.backward`) against DeepSpeed's own (every backward reduces), at ZeRO stage 0, from the same weights, on
-batches that differ by rank, three steps each (dropout on, seeded alike). Reports, per rank: how many times each
-engine reduced its gradients, the largest difference between their weights, how far the weights moved, and a hash
-of the recipe's weights (every rank must end with the same ones).
+"""Run under torchrun (1 or 2 ranks, gloo, DS_ACCELERATOR=cpu): the recipe at ZeRO stage 0.
+
+- Its backward (`gradient_sync` around `engine.backward`) against DeepSpeed's own (every backward reduces), from the
+  same weights, on batches that differ by rank, three steps each (dropout on, seeded alike). Reports, per rank: how
+  many times each engine reduced its gradients, the largest difference between their weights, how far the weights
+  moved, and a hash of the recipe's weights (every rank must end with the same ones).
+- `gather_on_rank0` of the model's state (what the export writes): on rank 0, how many of its tensors are the
+  model's own (not copies) and whether they equal the weights; on the other ranks, whether every value is None.
 
 Writes a JSON report per rank to argv[1]; tests/test_train.py asserts on it.
 """
@@ -20,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.model import build_model  # noqa: E402
 from hpsearch.train import deepspeed_config, optimizer_and_schedule  # noqa: E402
+from hpsearch.train.checkpoints import gather_on_rank0  # noqa: E402
 from hpsearch.train.loop import gradient_sync  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
 
@@ -74,5 +78,13 @@ report = {"world": world, "recipe_reductions": len(our_calls), "deepspeed_reduct
           "max_diff": max((mine[n] - reference[n]).abs().max().item() for n in mine),
           "moved": max((mine[n] - start[n]).abs().max().item() for n in mine),
           "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+own = ours.module.state_dict(keep_vars=True)
+state = gather_on_rank0(own.items(), rank)
+report["export_tensors"] = len(state)
+if rank == 0:
+    report["export_own"] = sum(state[n].data_ptr() == t.data_ptr() for n, t in own.items())
+    report["export_equal"] = all(torch.equal(state[n], t.detach()) for n, t in own.items())
+else:
+    report["export_none"] = all(v is None for v in state.values())
 Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(report))
 dist.destroy_process_group()
