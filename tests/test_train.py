@@ -848,7 +848,7 @@ def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying
     """The recipe at stage 0 (tests/workers/stage0.py). Its backward against DeepSpeed's own: one rank never reduces
     (nothing to average) and ends with bitwise the same weights; two ranks reduce at every backward and both end
     with the same weights, those of DeepSpeed's own path. The export's gather hands rank 0 the model's own tensors
-    (whole already: copying them cost 0.6 s at t5-small), equal to the weights, and the other ranks nothing."""
+    (whole already: nothing to copy), equal to the weights, and the other ranks nothing."""
     from test_zero3 import run_workers
 
     run_workers("stage0.py", tmp_path, timeout=600, ranks=ranks)

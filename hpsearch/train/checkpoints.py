@@ -142,10 +142,10 @@ def gather_on_rank0(named, rank: int) -> dict:
     tensor under several names (tied weights) is gathered once. Every rank calls this (the gathers are collective).
 
     Nothing is copied but a device tensor to the host: a tensor on the CPU is the model's own (at stage 0 on CPU
-    workers, copying every weight once more took 0.6 s of a t5-small export), and a ZeRO-3 parameter's gathered
-    values stay in the storage its gather filled (on release DeepSpeed points the parameter at an empty tensor; the
-    values are checked after release in tests/workers/zero3_step.py). So use the state before training goes on, as
-    `save_best` and the exports do."""
+    workers, copying every weight once more took 0.1-0.5 s of a t5-small export here), and a ZeRO-3 parameter's
+    gathered values stay in the storage its gather filled (on release DeepSpeed points the parameter at an empty
+    tensor; the values are checked after release in tests/workers/zero3_step.py). So use the state before training
+    goes on, as `save_best` and the exports do."""
     import deepspeed
 
     state, seen = {}, {}
