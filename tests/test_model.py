@@ -420,6 +420,57 @@ def test_a_new_backbone_has_the_stock_constructors_initial_weights_in_distributi
         assert abs(w.mean().item() - ref.mean().item()) < 6 * sigma / n ** 0.5, name
 
 
+def test_a_process_that_keeps_backbones_copies_the_same_one_and_draws_the_same_after(monkeypatch):
+    """`keep_random_backbones` (a study's reused actors and ranks): the next backbone of the same config from the
+    same seed is a copy of the kept initial weights, T5's initialisation not run again, and leaves the RNG where
+    building it would have; the kept copy is the initial weights, not the trained model's; another seed or config
+    is built and kept instead; the meta device and a backbone too large for the host's free memory keep nothing."""
+    import psutil
+    from transformers import PreTrainedModel
+
+    from hpsearch.model import backbones
+
+    inits = []
+    real_init = PreTrainedModel.init_weights
+    monkeypatch.setattr(PreTrainedModel, "init_weights", lambda self: (inits.append(1), real_init(self))[1])
+
+    def build(seed, backbone="t5-tiny"):
+        torch.manual_seed(seed)
+        model = backbones.load_backbone(backbone)
+        return model, torch.rand(5)  # the next draws
+
+    def same(a, b):
+        return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+    fresh, fresh_next = build(7)  # not kept: T5's initialisation
+    assert inits == [1] and backbones._kept is None
+    backbones.keep_random_backbones()
+    try:
+        first, first_next = build(7)
+        with torch.no_grad():
+            first.shared.weight.add_(1.0)  # a trial trains its model in place
+        copies = backbones.copies
+        second, second_next = build(7)
+        assert backbones.copies == copies + 1 and len(inits) == 2  # a copy: no initialisation
+        assert same(second, fresh) and torch.equal(second_next, fresh_next) and torch.equal(first_next, fresh_next)
+        tied = second.shared.weight
+        assert second.lm_head.weight is tied and second.encoder.embed_tokens.weight is tied
+        with torch.no_grad():
+            second.shared.weight.add_(1.0)
+        assert same(build(7)[0], fresh)  # the copy shares nothing with what is kept
+        other, _ = build(8)  # another seed: initialised, and kept in place of the first
+        assert len(inits) == 3 and not same(other, fresh) and same(build(8)[0], other) and len(inits) == 3
+        with torch.device("meta"):
+            backbones.load_backbone("t5-tiny")  # a structure only: neither copied nor kept
+        assert same(build(8)[0], other) and len(inits) == 4
+        assert not same(build(8, "t5-mini")[0], other) and len(inits) == 5  # another config
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10_000_000})())
+        build(7)  # t5-tiny's 2 MB of weights: more than a tenth of 10 MB, not kept
+        assert backbones._kept is None and len(inits) == 6
+    finally:
+        backbones.keep_random_backbones(False)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(variant="shared"), "model.variant"),
     (dict(placement="middle"), "model.placement"),

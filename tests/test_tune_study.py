@@ -238,6 +238,9 @@ def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
     assert len(started) == 1 and "started 2 ranks" in started[0], started  # once, for all six trials
     firsts = {name: text.count("[hpsearch.train] start-up ") for name, text in logs.items()}
     assert sorted(n for n in firsts.values() if n) == [6], firsts  # one process was rank 0 of every trial
+    # every trial after the first copied the backbone its ranks kept (the same t5-tiny and seed), not drew it again
+    (rank0,) = [text for text in logs.values() if text.count("[hpsearch.train] start-up ") == 6]
+    assert rank0.count("backbone: a copy of the initial weights this process kept from its last trial") == 5
     study_dir = tmp_path / "runs" / "pool"
     results = [[json.loads(line) for line in (d / "result.json").read_text().splitlines()]
                for d in sorted(study_dir.glob("trial_*"))]

@@ -14,6 +14,7 @@ import torch
 
 from hpsearch.config import load_config
 from hpsearch.errors import UserError, disk_full
+from hpsearch.model import backbones
 from hpsearch.train import checkpoints, hostmem, startup
 from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
@@ -107,8 +108,12 @@ def _train(loop_config: dict, session) -> dict:
                            use_zero_init(cfg.train.zero_init, cfg.train.use_gpu))
     objective_class = load_objective(loop_config.get("objective"))
     takes_build = "build" in inspect.signature(objective_class).parameters  # else it builds its model itself
+    copies = backbones.copies
     objective = objective_class(cfg, rank, world, loop_config.get("options"), **({"build": builder} if takes_build
                                                                                  else {}))
+    if backbones.copies > copies:  # a process that trains trial after trial (keep_random_backbones)
+        _rank0_print(rank, "backbone: a copy of the initial weights this process kept from its last trial (the same "
+                           "backbone and seed)")
     model, sampler, stage = objective.model, objective.sampler, builder.stage
     if stage is None:  # an objective that built its model itself (whole on every rank)
         stage = _zero_stage(cfg, sum(p.numel() for p in unique_parameters(model)), device, session, rank)

@@ -51,6 +51,18 @@ def free_trial_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def start_reused_trial() -> None:
+    """What a process that trains trial after trial (a trial's own Tune actor, a kept rank) does as each trial
+    starts: freeze what it imported (the first time), free what its last trial left, and keep random backbones, so a
+    trial with the same backbone and seed as the last one copies its initial weights instead of drawing them again
+    (`hpsearch.model.backbones.keep_random_backbones`)."""
+    from hpsearch.model.backbones import keep_random_backbones
+
+    freeze_imports()
+    free_trial_memory()
+    keep_random_backbones()
+
+
 class TuneSession:
     rank, world_size, local_rank, local_world_size, node_rank, nodes = 0, 1, 0, 1, 0, 1
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hpsearch.errors import UserError
 from hpsearch.train import checkpoints
-from hpsearch.tune.inprocess import TuneSession, free_trial_memory, freeze_imports
+from hpsearch.tune.inprocess import TuneSession, free_trial_memory, start_reused_trial
 from hpsearch.tune.storage import STORAGE_MARKER as MARKER  # every rank must see the trial thread's
 
 _pool = None  # this Tune actor's ranks, kept for its next trial
@@ -79,8 +79,7 @@ class Rank:
         """Train one trial on this rank: "done", or "stopped" when the driver stopped it."""
         from hpsearch.train.loop import train_loop
 
-        freeze_imports()  # the first time: long-lived objects out of every later collection
-        free_trial_memory()
+        start_reused_trial()
         try:
             train_loop(loop_config, PoolSession(self, token, train_path, filesystem, taken))
             return "done"

@@ -193,10 +193,9 @@ def _train_in_this_actor(cfg: RunConfig, train_path: str, train_fs, watch, expor
     started = time.time()
     from hpsearch.train import loop_config
     from hpsearch.train.loop import train_loop
-    from hpsearch.tune.inprocess import TuneSession, free_trial_memory, freeze_imports
+    from hpsearch.tune.inprocess import TuneSession, free_trial_memory, start_reused_trial
 
-    freeze_imports()  # the first time: long-lived objects out of every later collection
-    free_trial_memory()  # what the actor's last trial left when ASHA stopped it or it failed
+    start_reused_trial()  # also frees what the actor's last trial left when ASHA stopped it or it failed
     train_loop(loop_config(cfg, system_metrics=watch, export_to=export_to, startup={"trial": started}),
                TuneSession(train_path, train_fs))
     free_trial_memory()  # nothing held while the actor waits for its next trial (or compare probes in it)
