@@ -424,7 +424,8 @@ def test_a_process_that_keeps_backbones_copies_the_same_one_and_draws_the_same_a
     """`keep_random_backbones` (a study's reused actors and ranks): the next backbone of the same config from the
     same seed is a copy of the kept initial weights, T5's initialisation not run again, and leaves the RNG where
     building it would have; the kept copy is the initial weights, not the trained model's; another seed or config
-    is built and kept instead; the meta device and a backbone too large for the host's free memory keep nothing."""
+    is built and kept instead; the meta device and a backbone too large for this rank's share of the host's free
+    memory keep nothing."""
     import psutil
     from transformers import PreTrainedModel
 
@@ -464,9 +465,13 @@ def test_a_process_that_keeps_backbones_copies_the_same_one_and_draws_the_same_a
             backbones.load_backbone("t5-tiny")  # a structure only: neither copied nor kept
         assert same(build(8)[0], other) and len(inits) == 4
         assert not same(build(8, "t5-mini")[0], other) and len(inits) == 5  # another config
-        monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10_000_000})())
-        build(7)  # t5-tiny's 2 MB of weights: more than a tenth of 10 MB, not kept
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 100_000_000})())
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "10")  # a tenth of 100 MB shared by 10 ranks: t5-tiny's 2 MB is more
+        build(7)
         assert backbones._kept is None and len(inits) == 6
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        build(7)
+        assert backbones._kept is not None and same(build(7)[0], fresh) and len(inits) == 7
     finally:
         backbones.keep_random_backbones(False)
 

@@ -846,8 +846,9 @@ def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_p
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying(tmp_path, ranks):
     """The recipe at stage 0 (tests/workers/stage0.py). Its backward against DeepSpeed's own: one rank never reduces
-    (nothing to average) and ends with bitwise the same weights; two ranks reduce at every backward and both end
-    with the same weights, those of DeepSpeed's own path. The export's gather hands rank 0 the model's own tensors
+    (nothing to average) and ends with bitwise the same weights, also for a parameter that stops getting gradients
+    (DeepSpeed's reduction gave it zeros, which the optimizer steps); two ranks reduce at every backward and both
+    end with the same weights, those of DeepSpeed's own path. The export's gather hands rank 0 the model's own tensors
     (whole already: nothing to copy), equal to the weights, and the other ranks nothing."""
     from test_zero3 import run_workers
 
@@ -857,6 +858,7 @@ def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying
         assert r["world"] == ranks and r["deepspeed_reductions"] == 3
         assert r["recipe_reductions"] == (0 if ranks == 1 else 3)
         assert r["max_diff"] == 0.0 and r["moved"] > 1e-3
+        assert r["probe_moved_later"] > 1e-3  # stepped with a zero gradient, as DeepSpeed's reduction gave it
     assert len({r["weights_sha256"] for r in reports}) == 1  # the ranks' replicas agree
     first, *others = reports
     assert first["export_tensors"] > 40 and first["export_own"] == first["export_tensors"] and first["export_equal"]

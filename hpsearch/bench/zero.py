@@ -56,14 +56,13 @@ def engine_step(model, cfg, batch):
     from hpsearch.train import deepspeed_config, optimizer_and_schedule
     from hpsearch.train.loop import gradient_sync
 
-    stage = cfg.train.zero_stage
     optimizer, scheduler = optimizer_and_schedule(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, 1, hidden=model.config.d_model))
 
     def step():
         loss = engine(**batch).loss
-        with gradient_sync(engine, 1, stage):  # the recipe's backward
+        with gradient_sync(engine):  # the recipe's backward
             engine.backward(loss)
         engine.step()
     return step, engine

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,6 +152,7 @@ def new_t5(config: T5Config, init: bool = True) -> T5ForConditionalGeneration:
 
 _keep = False  # keep_random_backbones(): this process builds a backbone for every trial
 _kept: tuple | None = None  # (key, weights, RNG state after building them) of the last random backbone
+_lock = threading.Lock()  # a reused actor's threads
 KEEP_SHARE = 0.1  # a backbone is kept only while its weights take at most this share of the host's free memory
 copies = 0  # backbones this process built as copies of a kept one
 
@@ -158,8 +161,9 @@ def keep_random_backbones(on: bool = True) -> None:
     """For a process that builds a backbone for every trial (a study's reused Tune actor, its kept ranks): keep a
     copy of the last random backbone's initial weights, and build the next one of the same config from the same
     RNG state (a trial seeds it with `train.seed`) as a copy of them, leaving the RNG where building it would have:
-    the same weights and the same later draws. One backbone is kept, and only when its weights take at most
-    `KEEP_SHARE` of the host's available memory."""
+    the same weights and the same later draws. One backbone is kept, only for a build on the CPU, and only when
+    its weights take at most `KEEP_SHARE` of the host's available memory shared by the ranks on this node
+    (`LOCAL_WORLD_SIZE`, each of which keeps its own)."""
     global _keep, _kept
     _keep = on
     if not on:
@@ -180,24 +184,28 @@ def _random_backbone(config: T5Config) -> T5ForConditionalGeneration:
     key = (config.to_json_string(), str(torch.get_default_dtype()),
            hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
     model = new_t5(config, init=False)  # the structure; its values next
-    if values_absent(*model.parameters()):  # on the meta device or under zero.Init: nothing to copy or keep
+    params = list(model.parameters())
+    if values_absent(*params) or any(p.device.type != "cpu" for p in params):  # meta, zero.Init, a device: as ever
         model.init_weights()
         return model
-    if _kept is not None and _kept[0] == key:
-        model.load_state_dict(_kept[1])  # copied in: the kept weights stay as they were
-        torch.set_rng_state(_kept[2])
-        copies += 1
-        return model
-    _kept = None  # one kept at a time
-    model.init_weights()  # as new_t5(config)
-    state = model.state_dict()
-    size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
-    if size <= KEEP_SHARE * psutil.virtual_memory().available:
-        clones: dict = {}  # tied weights: one copy, under each of their names
-        for t in state.values():
-            if t.data_ptr() not in clones:
-                clones[t.data_ptr()] = t.detach().clone()
-        _kept = (key, {name: clones[t.data_ptr()] for name, t in state.items()}, torch.get_rng_state())
+    with _lock:
+        kept = _kept
+        if kept is not None and kept[0] == key:
+            model.load_state_dict(kept[1])  # copied in: the kept weights stay as they were
+            torch.set_rng_state(kept[2])
+            copies += 1
+            return model
+        _kept = None  # one kept at a time
+        model.init_weights()  # as new_t5(config)
+        state = model.state_dict()
+        size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if size <= KEEP_SHARE * psutil.virtual_memory().available / ranks:
+            clones: dict = {}  # tied weights: one copy, under each of their names
+            for t in state.values():
+                if t.data_ptr() not in clones:
+                    clones[t.data_ptr()] = t.detach().clone()
+            _kept = (key, {name: clones[t.data_ptr()] for name, t in state.items()}, torch.get_rng_state())
     return model
 
 

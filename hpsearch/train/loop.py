@@ -175,7 +175,7 @@ def _train(loop_config: dict, session) -> dict:
                 loss = out.loss
                 if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                     loss = loss * float("nan")
-                with gradient_sync(engine, world, stage):
+                with gradient_sync(engine):
                     engine.backward(loss)
                 lr_used = engine.get_lr()[0]  # the learning rate this update uses
                 engine.step()
@@ -239,13 +239,24 @@ def _train(loop_config: dict, session) -> dict:
     return final
 
 
-def gradient_sync(engine, world: int, stage: int):
-    """The context `engine.backward` runs in. A single rank at ZeRO stage 0 has no one to average its gradients
-    with, yet DeepSpeed would still flatten every gradient into buckets, all-reduce them over that one rank and copy
-    them back after each backward (4-6 % of a one-worker t5-small step here); its `no_sync()` skips that, and the
-    weights come out bitwise the same (tests/workers/stage0.py). Anything else reduces as DeepSpeed does: several
-    ranks average their gradients, and stages 1-3 reduce into their partitions (`no_sync` refuses stages 2-3)."""
-    return engine.no_sync() if world == 1 and stage == 0 else contextlib.nullcontext()
+@contextlib.contextmanager
+def gradient_sync(engine):
+    """The context `engine.backward` runs in. A single data-parallel rank at ZeRO stage 0 has no one to average its
+    gradients with, yet DeepSpeed would still flatten every gradient into buckets, all-reduce them over that one
+    rank and copy them back after each backward (4-6 % of a one-worker t5-small step here); its `no_sync()` skips
+    that. What the reduction also did is kept: at an accumulation boundary every trainable parameter that got no
+    gradient gets a zero one, so the optimizer steps it (momentum, weight decay) as it does with several ranks.
+    The weights come out bitwise the same (tests/workers/stage0.py). Anything else reduces as DeepSpeed does:
+    several ranks average their gradients, and stages 1-3 reduce into their partitions."""
+    if engine.dp_world_size > 1 or engine.zero_optimization_stage() != 0:
+        yield
+        return
+    with engine.no_sync():
+        yield
+    if engine.is_gradient_accumulation_boundary():
+        for p in engine.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def _zero_stage(cfg, n_params: int, device, session, rank) -> int:
