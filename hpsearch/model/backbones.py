@@ -198,13 +198,11 @@ def _random_backbone(config: T5Config) -> T5ForConditionalGeneration:
         _kept = None  # one kept at a time
         model.init_weights()  # as new_t5(config)
         state = model.state_dict()
-        size = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
+        unique = {t.data_ptr(): t for t in state.values()}  # tied weights: one copy, under each of their names
+        size = sum(t.numel() * t.element_size() for t in unique.values())
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if size <= KEEP_SHARE * psutil.virtual_memory().available / ranks:
-            clones: dict = {}  # tied weights: one copy, under each of their names
-            for t in state.values():
-                if t.data_ptr() not in clones:
-                    clones[t.data_ptr()] = t.detach().clone()
+            clones = {ptr: t.detach().clone() for ptr, t in unique.items()}
             _kept = (key, {name: clones[t.data_ptr()] for name, t in state.items()}, torch.get_rng_state())
     return model
 
