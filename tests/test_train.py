@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +34,7 @@ def run_train(*args, timeout=600, cwd=None, env=None, script=None):
 # every report Ray takes to a file: what Tune and MLflow would get in a study
 RECORDING = """
 import sys
+import tempfile
 import ray.train
 import hpsearch.train.launch as launch
 from hpsearch.cli import run_main
@@ -286,6 +289,16 @@ def test_the_ray_variables_every_run_sets_are_ones_this_ray_reads():
     assert float(ray_vars["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]) == 0.5
     assert ray_vars["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
     assert int(ray_vars["TUNE_FUNCTION_THREAD_TIMEOUT_S"]) == 60  # Tune reads it with int()
+    # and a private local Ray's own: Ray Train reads it (its controller gets it) and parses it as off
+    from ray._private.ray_constants import env_bool
+
+    from hpsearch.train.launch import PRIVATE_RAY_ENV
+    assert set(PRIVATE_RAY_ENV) == {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"} <= ENV_VARS_TO_PROPAGATE
+    os.environ.update(PRIVATE_RAY_ENV)
+    try:
+        assert env_bool("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", True) is False
+    finally:
+        del os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
 
 
 def test_bad_override_is_one_line_error():
@@ -300,6 +313,7 @@ def test_bad_override_is_one_line_error():
 # the driver of a Ray run, stopped where it would start Ray: which heavy modules its checks imported
 DRIVER_CHECKS = """
 import sys
+import tempfile
 import hpsearch.train.__main__ as cli
 
 def stop(cfg, resume_from):
@@ -528,6 +542,7 @@ def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
 # `python -m hpsearch.train` in which DeepSpeed's CPU Adam op cannot be built or loaded
 WITHOUT_CPU_ADAM = """
 import sys
+import tempfile
 from deepspeed.accelerator import get_accelerator
 from hpsearch.cli import run_main
 from hpsearch.train.__main__ import main
@@ -611,6 +626,7 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
 # the way a Hugging Face save_pretrained (the pretraining export) raises it
 EXPORT_DISK_FULL = """
 import sys
+import tempfile
 from safetensors import SafetensorError
 import hpsearch.model.export as export
 import hpsearch.train.objective as objective
@@ -652,8 +668,17 @@ def test_a_full_disk_at_the_export_is_one_line_naming_where(tmp_path, where):
 @pytest.mark.slow
 def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     args = [*FAST, "train.num_workers=2", "train.micro_batch_size=8", "train.zero_stage=3"]  # partitioned
-    base_proc = run_train(*args, "train.output_dir=a", cwd=tmp_path)
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
+    base_proc = run_train(*args, "train.output_dir=a", cwd=tmp_path, env={"RAY_TMPDIR": ray_dir})
     base = final_json(base_proc)  # output_dir relative: this directory's
+    # the private Ray started no process the run does not use: no idle Python worker per CPU started for the first
+    # driver (job id ffffffff), no preemption watcher (one machine); its Train workers' logs are where this looks
+    logs = list(Path(ray_dir).glob("ray/session_latest/logs/worker-*.out"))
+    actors = [f.read_text().partition(":actor_name:")[2].split("\n")[0] for f in logs]
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    assert actors.count("RayTrainWorker") == 2 and "TrainController" in actors, actors
+    assert "PreemptionWatcher" not in actors, actors
+    assert not [f.name for f in logs if "-ffffffff-" in f.name], [f.name for f in logs]
     assert base["output_dir"] == str(tmp_path / "a")
     phases = startup.parse(base_proc.stdout)  # the driver's phases, then the worker's (rank 0 prints them)
     assert list(phases)[1:5] == ["driver imports and checks", "Ray start", "trainer set-up",
