@@ -94,6 +94,7 @@ def _train(loop_config: dict, session) -> dict:
         torch.set_flush_denormal(True)  # subnormal floats (tiny optimizer moments, late in training) are slow on CPU
     hostmem.apply(cfg.train.host_allocator, cfg.train.use_gpu)  # CPU workers: malloc reuses freed tensor memory
     deepspeed = import_deepspeed()
+    startup.freeze_imports()  # DeepSpeed's own full collections skip the imported modules
 
     marks = {**(loop_config.get("startup") or {}), "imports": time.time()}  # start-up phases (startup.py)
     rank, world = session.rank, session.world_size

@@ -26,9 +26,10 @@ def freeze_imports() -> None:
     what lives as long as the process (the imported modules, torch, transformers, Ray: 460,000 objects here), so the
     collector stops tracking it (`gc.freeze`). Every later full collection, two a trial in every process that
     trains (`free_trial_memory`), then skips it: 0.25 s each here, under 10 ms after (DeepSpeed, imported later by
-    the loop, is not frozen). Only what is already alive is frozen, so the trials' engines stay collectable; the
-    first trial's own small objects alive at that moment (its config, Tune's bookkeeping) are frozen too, and are
-    never freed if they end in a reference cycle: a one-time cost of a few kilobytes."""
+    the loop, is frozen there: `hpsearch.train.startup.freeze_imports`). Only what is already alive is frozen, so
+    the trials' engines stay collectable; the first trial's own small objects alive at that moment (its config,
+    Tune's bookkeeping) are frozen too, and are never freed if they end in a reference cycle: a one-time cost of a
+    few kilobytes."""
     import gc
 
     global _frozen

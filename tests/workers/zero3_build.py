@@ -16,6 +16,9 @@ import torch.distributed as dist  # noqa: E402
 from hpsearch.model import build_from_config, build_skeleton, model_config  # noqa: E402
 from hpsearch.train.build import ModelBuilder, fill_from_rank0  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
+from hpsearch.train.startup import freeze_imports  # noqa: E402
+
+freeze_imports()  # as the recipe does: DeepSpeed's full collections (its ZeRO-3 set-up) skip the imports
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_methods import SETUPS  # noqa: E402

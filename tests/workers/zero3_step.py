@@ -21,6 +21,9 @@ from safetensors import safe_open  # noqa: E402
 from hpsearch.model import build_model  # noqa: E402
 from hpsearch.train.checkpoints import load_best, save_best  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
+from hpsearch.train.startup import freeze_imports  # noqa: E402
+
+freeze_imports()  # as the recipe does: DeepSpeed's full collections (its ZeRO-3 set-up, each load) skip the imports
 
 dist.init_process_group("gloo")
 load_ops()
