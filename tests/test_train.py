@@ -34,7 +34,6 @@ def run_train(*args, timeout=600, cwd=None, env=None, script=None):
 # every report Ray takes to a file: what Tune and MLflow would get in a study
 RECORDING = """
 import sys
-import tempfile
 import ray.train
 import hpsearch.train.launch as launch
 from hpsearch.cli import run_main
@@ -289,7 +288,8 @@ def test_the_ray_variables_every_run_sets_are_ones_this_ray_reads():
     assert float(ray_vars["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]) == 0.5
     assert ray_vars["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
     assert int(ray_vars["TUNE_FUNCTION_THREAD_TIMEOUT_S"]) == 60  # Tune reads it with int()
-    # and a private local Ray's own: Ray Train reads it (its controller gets it) and parses it as off
+    # and a private local Ray's own (the job's env vars, which its Train controller gets): one of Ray Train's own
+    # variables, parsed as off
     from ray._private.ray_constants import env_bool
 
     from hpsearch.train.launch import PRIVATE_RAY_ENV
@@ -313,7 +313,6 @@ def test_bad_override_is_one_line_error():
 # the driver of a Ray run, stopped where it would start Ray: which heavy modules its checks imported
 DRIVER_CHECKS = """
 import sys
-import tempfile
 import hpsearch.train.__main__ as cli
 
 def stop(cfg, resume_from):
@@ -520,9 +519,11 @@ count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objec
                  sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)))
 print(*count())
 free_trial_memory()
-print(*count())
 freeze_imports()
-print(frozen, frozen_by_loop, gc.get_freeze_count())
+frozen_later = gc.get_freeze_count()
+gc.unfreeze()  # gc.get_objects() leaves frozen objects out: count them too (an engine frozen is never collected)
+print(*count())
+print(frozen, frozen_by_loop, frozen_later)
 """
 
 
@@ -545,7 +546,6 @@ def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
 # `python -m hpsearch.train` in which DeepSpeed's CPU Adam op cannot be built or loaded
 WITHOUT_CPU_ADAM = """
 import sys
-import tempfile
 from deepspeed.accelerator import get_accelerator
 from hpsearch.cli import run_main
 from hpsearch.train.__main__ import main
@@ -629,7 +629,6 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
 # the way a Hugging Face save_pretrained (the pretraining export) raises it
 EXPORT_DISK_FULL = """
 import sys
-import tempfile
 from safetensors import SafetensorError
 import hpsearch.model.export as export
 import hpsearch.train.objective as objective

@@ -90,7 +90,7 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
         where = {"dashboard_host": "127.0.0.1", "dashboard_port": port}
     ray.init(address="local", include_dashboard=dashboard, **where,
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": env},  # every service on loopback
-             _system_config=PRIVATE_RAY_SYSTEM_CONFIG,
+             _system_config=dict(PRIVATE_RAY_SYSTEM_CONFIG),  # a copy: Ray adds its session's spilling to it
              log_to_driver=log_to_driver, logging_level="WARNING")
 
 
