@@ -498,8 +498,8 @@ def test_resume_restores_an_older_best_checkpoint(tmp_path):
 
 
 # a finished run's engine, counted in this process (automatic collection off: the count is deterministic), before
-# and after what a reused Tune actor does before its next trial; what the actor froze as the trial started (objects
-# the collector no longer tracks), and after a second trial's start
+# and after what a reused Tune actor does before its next trial; what the loop froze (objects the collector no longer
+# tracks) before and after the run, and after a second trial's start and the loop's freeze again
 RELEASED = """
 import gc, sys
 gc.disable()
@@ -508,22 +508,23 @@ from hpsearch.config import load_config
 from hpsearch.train import loop_config
 from hpsearch.train.loop import train_loop
 from hpsearch.train.sessions import LocalSession
-from hpsearch.tune.inprocess import free_trial_memory, freeze_imports
+from hpsearch.train.startup import freeze_imports
+from hpsearch.tune.inprocess import start_reused_trial
 
 cfg = load_config(None, sys.argv[1:])
-freeze_imports()
-frozen = gc.get_freeze_count()
+start_reused_trial()
+before = gc.get_freeze_count()
 train_loop(loop_config(cfg), LocalSession(cfg, None))
 frozen_by_loop = gc.get_freeze_count()
 count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects()),
                  sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)))
 print(*count())
-free_trial_memory()
-freeze_imports()
+start_reused_trial()
+freeze_imports()  # as the next trial's loop does
 frozen_later = gc.get_freeze_count()
 gc.unfreeze()  # gc.get_objects() leaves frozen objects out: count them too (an engine frozen is never collected)
 print(*count())
-print(frozen, frozen_by_loop, frozen_later)
+print(before, frozen_by_loop, frozen_later)
 """
 
 
@@ -534,13 +535,13 @@ def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
     run = run_train("train.max_steps=4", "train.eval_every=4", "train.micro_batch_size=8",
                     f"train.output_dir={tmp_path}", timeout=300, script=RELEASED)
     assert run.returncode == 0, run.stderr[-2000:]
-    (engines, params), after, (frozen, by_loop, frozen_later) = [tuple(map(int, ln.split()))
+    (engines, params), after, (before, by_loop, frozen_later) = [tuple(map(int, ln.split()))
                                                                  for ln in run.stdout.splitlines()[-3:]]
     assert engines == 1 and params > 0  # left by the run, until a collection
-    assert after == (0, 0)  # collected, although the actor and the loop froze what was alive before they built
-    # the imports, frozen once as the trial started; the loop froze what it imported (DeepSpeed) before it built,
-    # once per process (none since: some freed)
-    assert frozen > 100_000 and by_loop > frozen + 10_000 and frozen_later <= by_loop
+    assert after == (0, 0)  # collected, although the loop froze what was alive before it built
+    # nothing frozen before the loop; the loop froze what was imported (torch, DeepSpeed, ...) before it built, once
+    # per process (nothing since: some freed)
+    assert before == 0 and by_loop > 100_000 and frozen_later <= by_loop
 
 
 # `python -m hpsearch.train` in which DeepSpeed's CPU Adam op cannot be built or loaded

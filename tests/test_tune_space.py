@@ -407,17 +407,16 @@ def test_a_trial_in_its_own_actor_frees_memory_before_and_after_it_trains(monkey
     from hpsearch.tune.study import _train_in_this_actor
 
     calls = []
-    monkeypatch.setattr(inprocess, "freeze_imports", lambda: calls.append("freeze"))
     monkeypatch.setattr(inprocess, "free_trial_memory", lambda: calls.append("free"))
     monkeypatch.setattr(backbones, "keep_random_backbones", lambda: calls.append("keep"))
     monkeypatch.setattr(inprocess, "TuneSession", lambda path, filesystem: f"session at {path}")
     monkeypatch.setattr(loop, "train_loop", lambda config, session: calls.append(session))
     _train_in_this_actor(load_config(None, []), "/study/train/t1", None, None, None)
-    assert calls == ["freeze", "free", "keep", "session at /study/train/t1", "free"]  # all before the trial builds
+    assert calls == ["free", "keep", "session at /study/train/t1", "free"]  # all before the trial builds
 
 
-def test_a_kept_rank_freezes_once_and_frees_memory_before_and_after_each_trial(monkeypatch):
-    """The wiring of `freeze_imports`, `free_trial_memory` and `keep_random_backbones` on a kept rank (as in a
+def test_a_kept_rank_frees_memory_before_and_after_each_trial(monkeypatch):
+    """The wiring of `free_trial_memory` and `keep_random_backbones` on a kept rank (as in a
     trial's own actor, above)."""
     import hpsearch.model.backbones as backbones
     import hpsearch.train.loop as loop
@@ -425,7 +424,6 @@ def test_a_kept_rank_freezes_once_and_frees_memory_before_and_after_each_trial(m
     import hpsearch.tune.rankpool as rankpool
 
     calls = []
-    monkeypatch.setattr(inprocess, "freeze_imports", lambda: calls.append("freeze"))
     for module in (inprocess, rankpool):
         monkeypatch.setattr(module, "free_trial_memory", lambda: calls.append("free"))
     monkeypatch.setattr(backbones, "keep_random_backbones", lambda: calls.append("keep"))
@@ -434,7 +432,7 @@ def test_a_kept_rank_freezes_once_and_frees_memory_before_and_after_each_trial(m
     rank = rankpool.Rank()
     rank.rank = 1
     assert rank.run("t1", {}, "/study/train/t1", None, None) == "done"
-    assert calls == ["freeze", "free", "keep", "t1 at /study/train/t1", "free"]  # all before the trial builds
+    assert calls == ["free", "keep", "t1 at /study/train/t1", "free"]  # all before the trial builds
 
 
 def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is_one_line(tmp_path):

@@ -66,9 +66,10 @@ def freeze_imports() -> None:
     imports here and under 10 ms after; so does every automatic full collection. Nothing is collected first (that
     would cost one such collection): 67 unreachable objects were alive after the imports here and stay, frozen with
     them. What the run builds after this stays collectable. In a process that trains trial after trial (a reused
-    Tune actor, a kept rank) this happens in its first trial, after `hpsearch.tune.inprocess.freeze_imports` froze
-    the rest, and also freezes that trial's few small objects alive then (its config, session, system-metrics
-    monitor): never freed if they end in a reference cycle, a one-time cost of a few kilobytes."""
+    Tune actor, a kept rank) this happens in its first trial, right after `hpsearch.tune.inprocess.start_reused_trial`
+    collected, and also freezes that trial's few small objects alive then (its config, session, system-metrics
+    monitor) and Ray's and Tune's: never freed if they end in a reference cycle, a one-time cost of a few
+    kilobytes."""
     import gc
 
     global _frozen

@@ -18,26 +18,6 @@ from pathlib import Path
 
 from hpsearch.train import checkpoints
 
-_frozen = False  # whether this process has frozen what it imported (freeze_imports)
-
-
-def freeze_imports() -> None:
-    """Once per process, as its first trial starts (before it builds anything): what is alive then is nearly all
-    what lives as long as the process (the imported modules, torch, transformers, Ray: 460,000 objects here), so the
-    collector stops tracking it (`gc.freeze`). Every later full collection, two a trial in every process that
-    trains (`free_trial_memory`), then skips it: 0.25 s each here, under 10 ms after (DeepSpeed, imported later by
-    the loop, is frozen there: `hpsearch.train.startup.freeze_imports`). Only what is already alive is frozen, so
-    the trials' engines stay collectable; the first trial's own small objects alive at that moment (its config,
-    Tune's bookkeeping) are frozen too, and are never freed if they end in a reference cycle: a one-time cost of a
-    few kilobytes."""
-    import gc
-
-    global _frozen
-    if not _frozen:
-        gc.collect()
-        gc.freeze()
-        _frozen = True
-
 
 def free_trial_memory() -> None:
     """A trial's DeepSpeed engine (model, optimizer state, buffers) ends in reference cycles that only a full
@@ -54,12 +34,14 @@ def free_trial_memory() -> None:
 
 def start_reused_trial() -> None:
     """What a process that trains trial after trial (a trial's own Tune actor, a kept rank) does as each trial
-    starts: freeze what it imported (the first time), free what its last trial left, and keep random backbones, so a
-    trial with the same backbone and seed as the last one copies its initial weights instead of drawing them again
-    (`hpsearch.model.backbones.keep_random_backbones`)."""
+    starts: free what its last trial left, and keep random backbones, so a trial with the same backbone and seed as
+    the last one copies its initial weights instead of drawing them again
+    (`hpsearch.model.backbones.keep_random_backbones`). What the process imported is frozen by the loop, in its
+    first trial (`hpsearch.train.startup.freeze_imports`): every later full collection, two a trial here, skips it
+    (0.25 s each over the imports here, under 10 ms after); the first trial's collection here is the one that walks
+    them, and leaves the loop's freeze nothing unreachable to keep."""
     from hpsearch.model.backbones import keep_random_backbones
 
-    freeze_imports()
     free_trial_memory()
     keep_random_backbones()
 
