@@ -598,6 +598,49 @@ def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
     assert on["_node_ip_address"] == off["_node_ip_address"] == "127.0.0.1"  # every service on loopback either way
 
 
+# a private Ray started and stopped as a run does: which of its processes were still running when Ray's shutdown
+# came to them, and which are running after it
+PRIVATE_RAY_SHUTDOWN = """
+import json, os
+from ray._private import node, worker
+from hpsearch.config import load_config
+from hpsearch.train.launch import init_ray, shutdown_ray
+
+init_ray(load_config(None, []), dashboard=False)
+processes = {kind: [info.process for info in infos] for kind, infos in worker._global_node.all_processes.items()}
+running_when_ray_came = {}
+kill = node.Node._kill_process_type
+def recording(self, kind, *args, **kwargs):
+    running_when_ray_came[kind] = any(p.poll() is None for p in processes[kind])
+    return kill(self, kind, *args, **kwargs)
+node.Node._kill_process_type = recording
+shutdown_ray()
+def running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has exited
+print(json.dumps({"came": running_when_ray_came,
+                  "left": [kind for kind, ps in processes.items() for p in ps if running(p.pid)]}))
+"""
+
+
+def test_a_private_rays_shutdown_does_not_wait_on_its_autoscaler_monitor():
+    """Ray's shutdown stops the GCS first, then asks the monitor to stop, which then hangs telling the drivers
+    through the gone GCS until Ray kills it a second later: `shutdown_ray` kills the monitor first (one machine
+    autoscales nothing), and Ray stops every other process of its own as ever."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-c", PRIVATE_RAY_SHUTDOWN], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["came"]["monitor"] is False  # already gone: nothing to wait for
+    assert out["came"]["raylet"] is True and out["came"]["gcs_server"] is True  # stopped by Ray, as ever
+    assert out["left"] == []  # no process of that Ray left running
+
+
 def test_one_rank_process_group_ignores_a_master_address_inherited_from_the_shell():
     """`--local` and in-process trials start a process group of one rank: a MASTER_ADDR / MASTER_PORT left in the
     user's environment (another job's rendezvous) must not be dialled."""

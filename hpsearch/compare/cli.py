@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
 
     from hpsearch.compare.run import ComparisonRuns, make_tuner
     from hpsearch.tracking import ROLE_TAG, StudyRun
-    from hpsearch.train import init_ray
+    from hpsearch.train import init_ray, shutdown_ray
     from hpsearch.tune.cluster import concurrency, uses_ray_train
 
     spec = comparison.spec
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     except BaseException:  # the driver crashed
         parent.finish("FAILED")
         raise
-    ray.shutdown()  # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (in Ray's logs)
+    shutdown_ray()  # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (in Ray's logs)
     return code
 
 

@@ -18,8 +18,8 @@ import importlib
 _EXPORTS = {"deepspeed_config": "dsconfig", "lr_lambda": "dsconfig", "use_bf16": "dsconfig",
             "optimizer_and_schedule": "dsconfig",
             "TrainingFailed": "launch", "build_trainer": "launch", "failure_reason": "launch", "free_port": "launch",
-            "init_ray": "launch", "loop_config": "launch", "run_with_ray": "launch", "NonFiniteLoss": "loop",
-            "train_loop": "loop"}
+            "init_ray": "launch", "loop_config": "launch", "run_with_ray": "launch", "shutdown_ray": "launch",
+            "NonFiniteLoss": "loop", "train_loop": "loop"}
 __all__ = sorted(_EXPORTS)
 
 

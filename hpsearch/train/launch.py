@@ -94,6 +94,27 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
              log_to_driver=log_to_driver, logging_level="WARNING")
 
 
+def shutdown_ray() -> None:
+    """`ray.shutdown()`, less the second it spends on a private Ray's autoscaler monitor. Ray stops its GCS first
+    and then asks the monitor to stop (SIGTERM); the monitor's handler then tries to tell the drivers, through the
+    GCS now gone, that the autoscaler stopped, and Ray waits its whole one-second grace period before it kills it:
+    1.0 s of the 1.4 s a shutdown took here, in every run and study. A one-machine Ray autoscales nothing, so its
+    monitor is killed first; Ray then finds it gone and stops the rest as ever. Joined to a cluster, this process
+    started no monitor, and nothing changes."""
+    import signal
+
+    import ray
+    from ray._private import ray_constants, worker
+
+    node = worker._global_node
+    monitors = getattr(node, "all_processes", {}).get(ray_constants.PROCESS_TYPE_MONITOR, []) if node else []
+    for info in monitors:
+        if info.process.poll() is None:
+            info.process.send_signal(signal.SIGKILL)
+            info.process.wait(timeout=10)
+    ray.shutdown()
+
+
 def loop_config(cfg: RunConfig, *, resume_from: str | None = None, system_metrics: dict | None = None,
                 objective: str | None = None, options: dict | None = None, export_to: tuple | None = None,
                 startup: dict | None = None) -> dict:
@@ -162,7 +183,7 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None, *, objective: str | No
         raise TrainingFailed(failure_reason(e)) from None
     finally:
         if started:
-            ray.shutdown()  # flushes worker logs before the final JSON line
+            shutdown_ray()  # flushes worker logs before the final JSON line
     return dict(result.metrics)
 
 

@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     import ray.tune
 
     from hpsearch.tracking import StudyRun, open_store
-    from hpsearch.train import init_ray
+    from hpsearch.train import init_ray, shutdown_ray
     from hpsearch.tune.cluster import concurrency, uses_ray_train, wait_for_nodes
     from hpsearch.tune.study import make_tuner, restore_tuner
     from hpsearch.tune.trialruns import TrialRuns
@@ -238,7 +238,7 @@ def main(argv: list[str]) -> int:
         tuner = make_tuner(study, [trial_runs], max_concurrent)
     code = _run_and_end(study, parent, tuner)
     # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (a study's goes to Ray's logs)
-    ray.shutdown()
+    shutdown_ray()
     return code
 
 
