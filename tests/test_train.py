@@ -31,7 +31,8 @@ def run_train(*args, timeout=600, cwd=None, env=None, script=None):
 
 
 # `python -m hpsearch.train` whose Ray Train run also has a callback (in Train's controller) appending the step of
-# every report Ray takes to a file: what Tune and MLflow would get in a study
+# every report Ray takes to a file: what Tune and MLflow would get in a study; and whether Train's controller (at
+# each report) and the driver (at its end) had imported torch, in FILE.controller and FILE.driver
 RECORDING = """
 import sys
 import ray.train
@@ -46,10 +47,16 @@ class Steps(ray.train.UserCallback):  # runs in Train's controller: it holds the
     def after_report(self, run_context, metrics, checkpoint):
         with open(self.path, "a") as f:
             f.write(f"{metrics[0]['step']}\\n")
+        with open(self.path + ".controller", "a") as f:
+            f.write(f"{'torch' in sys.modules}\\n")
 
 build = launch.build_trainer
 launch.build_trainer = lambda *a, **k: build(*a, **{**k, "callbacks": [Steps(sys.argv[1])]})
-run_main(main, sys.argv[2:])
+try:
+    run_main(main, sys.argv[2:])
+finally:
+    with open(sys.argv[1] + ".driver", "w") as f:
+        f.write(f"{'torch' in sys.modules}\\n")
 """
 
 
@@ -758,6 +765,9 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     assert "model built under deepspeed.zero.Init" not in base_proc.stdout
     assert re.search(r"resumed from \S+ at step 20\b", proc.stdout), proc.stdout[-3000:]
     assert steps.read_text().split() == ["20", "40"]  # Ray took step 20's report once: from the restarted run
+    # neither the driver nor Train's controller imported torch (1.4 s each): only the workers use it
+    assert Path(f"{steps}.controller").read_text().split() == ["False", "False"]
+    assert Path(f"{steps}.driver").read_text().split() == ["False"]
     assert crashed["step"] == 40
     assert crashed["loss"] == pytest.approx(base["loss"], rel=1e-4)
     assert crashed["score"] == pytest.approx(base["score"], abs=1e-6)

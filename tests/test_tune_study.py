@@ -1,5 +1,5 @@
 """End to end: `python -m hpsearch.tune` runs short studies (Ray Tune + Optuna + ASHA launching the training
-recipe's TorchTrainer per trial) on this machine; the MLflow store is read back with `MlflowClient`."""
+recipe's Ray Train trainer per trial) on this machine; the MLflow store is read back with `MlflowClient`."""
 import contextlib
 import ipaddress
 import json
@@ -212,7 +212,7 @@ def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_
                for d in sorted(study_dir.glob("trial_*"))]
     assert len(results) == 6 and all(results)
     assert len({row["pid"] for rows in results for row in rows}) == 1  # one actor trained every trial
-    # no TorchTrainer ran: Ray Train writes its run's state under train/<trial id>/ (here only the best weights were)
+    # no Ray Train run: Ray Train writes its run's state under train/<trial id>/ (here only the best weights were)
     assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]
     # ASHA stopped a trial inside its report, and the actor trained the next
     check_six_trials_with_a_stop_in_between(tmp_path, "inproc", study_dir)
@@ -246,7 +246,7 @@ def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
                for d in sorted(study_dir.glob("trial_*"))]
     assert len(results) == 6 and all(results)
     assert len({row["pid"] for rows in results for row in rows}) == 1  # one Tune actor drove them
-    assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]  # no TorchTrainer ran
+    assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]  # no Ray Train run
     # ASHA stopped a trial, and the same ranks trained the next
     children = check_six_trials_with_a_stop_in_between(tmp_path, "pool", study_dir)
     left = [p for pattern in ("trial_*/checkpoint_*", "train/*/checkpoint_*", "train/*/best")

@@ -1,6 +1,6 @@
 """The comparison: `python -m hpsearch.compare`. Which method wins on these tasks, by how much, at what cost?
 
-Methods x seeds run as one Ray Tune grid, each trial the training recipe's Train V2 TorchTrainer (the same trial
+Methods x seeds run as one Ray Tune grid, each trial the training recipe's Train V2 trainer (the same trial
 as a study's, so it scales out the same way), tracked in MLflow as one parent run with a child per (method, seed).
 
 - `spec`: the comparison spec (`search_spaces/compare-*.yaml`), read and validated completely before Ray starts

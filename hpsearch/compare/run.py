@@ -1,6 +1,6 @@
 """One comparison on Ray Tune: its folder, its trials (methods x seeds as one grid) and their results.
 
-A trial is a study's trial (`hpsearch.tune.study.run_trial`: the training recipe's Train V2 TorchTrainer, so a
+A trial is a study's trial (`hpsearch.tune.study.run_trial`: the training recipe's Train V2 trainer, so a
 comparison scales out exactly as a study does) followed by the probe of the exported model (`probe`), whose
 figures go to Tune as one more report. No scheduler stops a trial early and no searcher proposes anything: every
 (method, seed) runs its whole budget. Layout of `<storage>/<name>/`: as a study's (Tune's files, `trial_<id>/`,

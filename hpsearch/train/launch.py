@@ -1,4 +1,5 @@
-"""Ray Train: a TorchTrainer running the loop on `train.num_workers` DeepSpeed ranks, and a private local Ray."""
+"""Ray Train: a data-parallel trainer running the loop on `train.num_workers` DeepSpeed ranks (Ray Train's torch
+backend, torchconfig.py), and a private local Ray."""
 from __future__ import annotations
 
 import importlib
@@ -127,15 +128,16 @@ def loop_config(cfg: RunConfig, *, resume_from: str | None = None, system_metric
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
                   system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None,
                   storage_filesystem=None, export_to: tuple | None = None, startup: dict | None = None):
-    """A Ray Train V2 TorchTrainer running `train_loop` on `train.num_workers` DeepSpeed ranks. `resume_from`: a
-    checkpoint folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
+    """A Ray Train V2 trainer running `train_loop` on `train.num_workers` DeepSpeed ranks: TorchTrainer's base class
+    with Ray Train's torch backend defined without importing torch (torchconfig.py). `resume_from`: a checkpoint
+    folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
     `system_metrics`: {tracking_uri, run_id, interval}, sampled by the first rank of each node. `objective`, `options`:
     what the loop trains on ("module:Class" and its options; default the suite's fine-tuning, see objective.py).
     `storage_filesystem`: a pyarrow filesystem `storage_path` is in (a bucket); `export_to`: (path, filesystem)
     rank 0 copies the run's exports to when it finishes (a study in a bucket). `startup`: the caller's start-up
     marks (startup.py); `fit` is added when this is built."""
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # TorchTrainer's base: no torch here
 
     from hpsearch.train.torchconfig import BoundTorchConfig
 
@@ -144,12 +146,12 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
         resources["GPU"] = cfg.train.gpus_per_worker
     # by reference (module hpsearch.train.launch), also when the command runs as __main__
     loop = importlib.import_module("hpsearch.train.launch")._ray_train_loop
-    return TorchTrainer(
+    return DataParallelTrainer(
         loop,
         train_loop_config=loop_config(cfg, resume_from=resume_from, system_metrics=system_metrics,
                                       objective=objective, options=options, export_to=export_to,
                                       startup={**(startup or {}), "fit": time.time()}),
-        torch_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
+        backend_config=BoundTorchConfig(backend="nccl" if cfg.train.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(

@@ -2,7 +2,7 @@
 
 - `space`: a search space in memory; Optuna's define-by-run function; a trial's run config
 - `spacefile`: search-space files (`search_spaces/*.yaml`), read and validated completely
-- `study`: a study's folder, the trial (a Tune function trainable launching the training recipe's TorchTrainer),
+- `study`: a study's folder, the trial (a Tune function trainable launching the training recipe's Ray Train trainer),
   the Tuner (OptunaSearch TPE + ASHA), resume
 - `searcher`: OptunaSearch that records ASHA-stopped trials as pruned
 - `trialruns`: the Tune callback giving each trial its MLflow child run (the runs themselves: hpsearch.tracking)

@@ -31,13 +31,13 @@ class Resources:
     workers: int | None = None          # -> train.num_workers
     cpus_per_worker: float | None = None  # -> train.cpus_per_worker
     gpus_per_worker: float | None = None  # -> train.gpus_per_worker; > 0 also sets train.use_gpu
-    trial_cpus: float = 0.1             # the trial's driver (launches the TorchTrainer); Ray refuses 0
+    trial_cpus: float = 0.1             # the trial's driver (launches the Ray Train trainer); Ray refuses 0
     max_concurrent: int | None = None   # None: as many trials as the cluster's CPUs/GPUs fit
     driver_resource: str | None = None  # a custom resource only the head offers (e.g. hpsearch_driver): each trial's
                                         # driver takes 1, so drivers stay on the head and workers go to worker nodes
     worker_group: str = "auto"          # auto: a one-worker trial trains in its Tune actor, others on ranks the
                                         # actor keeps (no Ray Train worker group; actors reused across trials);
-                                        # pool: always on kept ranks (rankpool.py); always: a TorchTrainer per trial
+                                        # pool: always on kept ranks (rankpool.py); always: a Train worker group a trial
 
 
 @dataclass

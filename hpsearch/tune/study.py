@@ -140,7 +140,7 @@ def load_state(study_dir: Path) -> dict:
 def run_trial(config: dict[str, Any], study: Study) -> None:
     """A Tune function trainable: train this trial's run config with the training recipe, in this actor for one
     worker (`study.in_process`, see inprocess.py), on the ranks this actor keeps (`study.pooled`, rankpool.py), else
-    with its TorchTrainer."""
+    with its Ray Train trainer."""
     import ray.tune
 
     from hpsearch.train import failure_reason
