@@ -605,6 +605,24 @@ def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
     assert on["_node_ip_address"] == off["_node_ip_address"] == "127.0.0.1"  # every service on loopback either way
 
 
+def test_the_torch_backend_config_says_what_ray_trains_own_says():
+    """`BoundTorchConfig` is Ray Train's torch backend defined without torch (torchconfig.py): what Ray Train reads of
+    it (state export, framework, GPU sharing, the context around the loop) is what its own `TorchConfig` gives."""
+    from ray.train.torch.config import TorchConfig, TorchConfigContextManager, _TorchBackend
+
+    from hpsearch.train.torchconfig import BoundTorchConfig
+
+    for backend, timeout in (("gloo", 1800), ("nccl", 30)):
+        ours, theirs = BoundTorchConfig(backend=backend, timeout_s=timeout), TorchConfig(backend=backend,
+                                                                                          timeout_s=timeout)
+        assert ours.to_dict() == theirs.to_dict() and ours.framework == theirs.framework
+    assert BoundTorchConfig().backend == "gloo"
+    assert BoundTorchConfig().backend_cls.share_cuda_visible_devices is _TorchBackend.share_cuda_visible_devices
+    context = BoundTorchConfig().train_func_context()
+    with context:  # Ray's own context inside (it sets the worker's CUDA device; none here)
+        assert isinstance(context._inner, TorchConfigContextManager)
+
+
 # a private Ray started and stopped as a run does: which of its processes were still running when Ray's shutdown
 # came to them, and which are running after it
 PRIVATE_RAY_SHUTDOWN = """

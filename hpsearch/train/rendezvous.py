@@ -5,8 +5,8 @@ server listens on every interface (`::`), whatever `MASTER_ADDR` says: on a priv
 unauthenticated key-value store on the machine's network while everything else listened on 127.0.0.1. Here
 rank 0 binds the listening socket itself, on its node's Ray address (127.0.0.1 on a private local Ray; the
 node's IP on a cluster, which the other nodes need), and hands it to the store (`master_listen_fd`); the other
-ranks connect to it. Ray Train's backend that does this is in torchconfig.py (everything else there is Ray
-Train's backend as it is); the search's rank pool (tune/rankpool.py) joins its ranks the same way, without
+ranks connect to it. Ray Train's backend that does this is in torchconfig.py (the rest of it runs Ray Train's
+own torch steps on the workers); the search's rank pool (tune/rankpool.py) joins its ranks the same way, without
 importing Ray Train (0.7 s of each rank's start)."""
 from __future__ import annotations
 

@@ -9,16 +9,16 @@ workers as Ray Train's own code (`ray.train.torch.config`), imported there: its 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
+from ray._common.utils import env_integer
 from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
 
 from hpsearch.train.rendezvous import bind_store_socket, join_process_group
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.train.torch.config")  # where Ray Train's own backend logs (its controller's logs)
 
 
 def _ray_train_torch(name: str, **kwargs):
@@ -59,8 +59,7 @@ class _BoundTorchBackend(Backend):
 
         futures = worker_group.execute_async(_ray_train_torch, name="_shutdown_torch",
                                              destroy_process_group=len(worker_group) > 1)
-        timeout_s = int(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
-                                       DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
+        timeout_s = env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
         try:
             ray.get(futures, timeout=timeout_s)
         except GetTimeoutError:
@@ -85,3 +84,6 @@ class BoundTorchConfig(BackendConfig):
     @property
     def framework(self):
         return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict:  # what Ray Train's state export shows, as for its TorchConfig
+        return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
