@@ -626,7 +626,8 @@ def test_the_torch_backend_config_says_what_ray_trains_own_says():
 # a private Ray started and stopped as a run does: which of its processes were still running when Ray's shutdown
 # came to them, and which are running after it
 PRIVATE_RAY_SHUTDOWN = """
-import json, os
+import json
+import psutil
 from ray._private import node, worker
 from hpsearch.config import load_config
 from hpsearch.train.launch import init_ray, shutdown_ray
@@ -642,10 +643,9 @@ node.Node._kill_process_type = recording
 shutdown_ray()
 def running(pid):
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has exited
+    except psutil.NoSuchProcess:
         return False
-    return open(f"/proc/{pid}/stat").read().split()[2] != "Z"  # a zombie has exited
 print(json.dumps({"came": running_when_ray_came,
                   "left": [kind for kind, ps in processes.items() for p in ps if running(p.pid)]}))
 """
