@@ -34,7 +34,9 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
         export PATH="{Path(sys.executable).parent}:$PATH"
         export RAY_AUTH_MODE=token
         cd {tmp_path}
-        RAY_FAKE_CLUSTER=1 ray start --head --port={gcs} --num-cpus={int(head["CPU"])} \\
+        # the autoscaler's rounds every second, not every 5 s, as Ray's own fake-cluster helper sets them
+        # (`ray.cluster_utils.AutoscalingCluster`): launches, idle removals and the study's verdicts come in rounds
+        RAY_FAKE_CLUSTER=1 AUTOSCALER_UPDATE_INTERVAL_S=1 ray start --head --port={gcs} --num-cpus={int(head["CPU"])} \\
             --resources='{json.dumps({k: v for k, v in head.items() if k != "CPU"})}' \\
             --dashboard-host=127.0.0.1 --dashboard-port={dashboard} --dashboard-agent-listen-port={agent} \\
             --disable-usage-stats --temp-dir={ray_tmp} --autoscaling-config={tmp_path}/autoscale.yaml \\

@@ -60,8 +60,9 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
         export PATH="{Path(sys.executable).parent}:$PATH"
         export RAY_AUTH_MODE=token
         cd {ROOT}
-        ray start --head --port={gcs} --dashboard-host=127.0.0.1 --dashboard-port={dashboard} --num-cpus=2 \\
-            --disable-usage-stats --temp-dir={ray_tmp} > {out}/start.log 2>&1
+        # the autoscaler's rounds every second, not every 5 s: the `never` study's verdict takes 3 of them
+        AUTOSCALER_UPDATE_INTERVAL_S=1 ray start --head --port={gcs} --dashboard-host=127.0.0.1 \\
+            --dashboard-port={dashboard} --num-cpus=2 --disable-usage-stats --temp-dir={ray_tmp} > {out}/start.log 2>&1
         echo "start=$?" >> {out}/codes
         for attempt in 1 2 3 4 5 6; do  # a busy machine may not have the head's job agent up yet
             ray job submit --address=http://127.0.0.1:{dashboard} --working-dir . \\
@@ -76,15 +77,16 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
             sleep 5
         done
         echo "submit=$code" >> {out}/codes
+        # the UI starts while the next job runs (it reads the store the first job wrote)
+        setsid mlflow ui --backend-store-uri sqlite:///{out}/mlflow.db --host 127.0.0.1 --port {ui} \\
+            > {out}/ui.log 2>&1 &
+        ui_pid=$!
         # more than this fixed-size cluster has: its autoscaler (Ray's read-only one) adds nothing, and the study
         # says so in one line after a few of its rounds, long before budget.wait_for_nodes_s
         ray job submit --address=http://127.0.0.1:{dashboard} -- python -m hpsearch.tune --name never \
             --num-samples 1 --tracking-uri sqlite:///{out}/mlflow.db --storage-path {out}/runs resources.workers=8 \
             budget.wait_for_nodes_s=600 > {out}/never.log 2>&1
         echo "never=$?" >> {out}/codes
-        setsid mlflow ui --backend-store-uri sqlite:///{out}/mlflow.db --host 127.0.0.1 --port {ui} \\
-            > {out}/ui.log 2>&1 &
-        ui_pid=$!
         python - <<'EOF' > {out}/ui.json 2>> {out}/ui.log
         import json, time, urllib.request
         url = "http://127.0.0.1:{ui}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hpsearch%2Fjob"
@@ -94,6 +96,7 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
             except OSError:
                 time.sleep(1)
         EOF
+        echo "ui=$?" >> {out}/codes
         kill -- -$ui_pid
         ray stop > {out}/stop.log 2>&1
         echo "stop=$?" >> {out}/codes
