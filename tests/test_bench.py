@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,8 +15,10 @@ from hpsearch.train import hostmem
 RATIO_GROUPS = ("step", "generate", "flops", "deepspeed")
 
 
-def bench(*args, timeout=300):
+def bench(*args, timeout=300, path=None):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    if path is not None:
+        env["PATH"] = path
     return subprocess.run([sys.executable, "-m", "hpsearch.bench", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -127,7 +130,20 @@ def test_checkpoint_group_tiny_shape():
 
 @pytest.mark.slow
 def test_memory_group_builds_under_zero_init_and_gathers_one_parameter_at_a_time():
-    out = report(bench("--only", "memory", "--memory-shape", "t5-small", "--json", timeout=900))
+    # its ranks load DeepSpeed's op as the recipe does: with the system's ninja first on PATH (where this machine has
+    # one), DeepSpeed building it itself took the recipe's build for stale and rebuilt it (30 s), and the next run
+    # rebuilt it back (ops.py)
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = os.pathsep.join(["/usr/bin", "/bin", "/usr/local/bin", os.environ.get("PATH", "")])
+    code = "from hpsearch.train.ops import load_ops, SHM_COMM; load_ops([SHM_COMM])"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu", "PATH": path})
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    log = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / ".ninja_log"
+    built = log.read_text().splitlines()
+    out = report(bench("--only", "memory", "--memory-shape", "t5-small", "--json", timeout=900, path=path))
+    assert log.read_text().splitlines() == built  # nothing rebuilt
     check_figures(out)
     figures = {k: v["value"] for k, v in out["figures"].items()}
     assert {"memory/setup_node", "memory/setup_node_whole", "memory/setup_other_rank", "memory/setup_rank0",

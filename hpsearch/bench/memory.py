@@ -80,11 +80,12 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     from hpsearch.train.build import ModelBuilder, unique_parameters
     from hpsearch.train.dsconfig import deepspeed_config
     from hpsearch.train.objective import gathered_state
-    from hpsearch.train.ops import import_deepspeed
+    from hpsearch.train.ops import import_deepspeed, load_ops
     from hpsearch.train.startup import freeze_imports
 
     deepspeed = import_deepspeed()
     freeze_imports()  # as the recipe does: DeepSpeed's full collections (ZeRO-3's set-up) skip the imports
+    load_ops()  # as the recipe does: built by DeepSpeed itself, with another ninja, the op was rebuilt (ops.py)
 
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
