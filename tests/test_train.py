@@ -36,6 +36,7 @@ def run_train(*args, timeout=600, cwd=None, env=None, script=None):
 RECORDING = """
 import sys
 import ray.train
+import ray.util
 import hpsearch.train.launch as launch
 from hpsearch.cli import run_main
 from hpsearch.train.__main__ import main
@@ -50,8 +51,13 @@ class Steps(ray.train.UserCallback):  # runs in Train's controller: it holds the
         with open(self.path + ".controller", "a") as f:
             f.write(f"{'torch' in sys.modules}\\n")
 
-build = launch.build_trainer
-launch.build_trainer = lambda *a, **k: build(*a, **{**k, "callbacks": [Steps(sys.argv[1])]})
+def build(*a, **k):  # and whether Ray Train's autoscaling coordinator was up before its controller started
+    trainer = launch_build(*a, **{**k, "callbacks": [Steps(sys.argv[1])]})
+    with open(sys.argv[1] + ".coordinator", "a") as f:
+        f.write(f"{[x['name'] for x in ray.util.list_named_actors(all_namespaces=True)]}\\n")
+    return trainer
+
+launch_build, launch.build_trainer = launch.build_trainer, build
 try:
     run_main(main, sys.argv[2:])
 finally:
@@ -786,6 +792,8 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     # neither the driver nor Train's controller imported torch (1.4 s each): only the workers use it
     assert Path(f"{steps}.controller").read_text().split() == ["False", "False"]
     assert Path(f"{steps}.driver").read_text().split() == ["False"]
+    # Ray Train's autoscaling coordinator was started with the trainer, before its controller asked for it
+    assert Path(f"{steps}.coordinator").read_text().splitlines() == ["['AutoscalingCoordinator']"]
     assert crashed["step"] == 40
     assert crashed["loss"] == pytest.approx(base["loss"], rel=1e-4)
     assert crashed["score"] == pytest.approx(base["score"], abs=1e-6)

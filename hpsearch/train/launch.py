@@ -150,6 +150,7 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
         resources["GPU"] = cfg.train.gpus_per_worker
     # by reference (module hpsearch.train.launch), also when the command runs as __main__
     loop = importlib.import_module("hpsearch.train.launch")._ray_train_loop
+    _start_autoscaling_coordinator()
     return DataParallelTrainer(
         loop,
         train_loop_config=loop_config(cfg, resume_from=resume_from, system_metrics=system_metrics,
@@ -164,6 +165,21 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # quiet the controller's INFO lines
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
     )
+
+
+def _start_autoscaling_coordinator() -> None:
+    """Start the actor Ray Train's controller tells its resource requests to (Ray Data's `AutoscalingCoordinator`,
+    named, one per cluster) now, while the controller starts. The controller creates it on first use, on its own
+    node (that of the process calling `fit`, as here) and waits for it: about 1 s of its start on a private Ray, as
+    the coordinator's process started only then. Created here it is the same actor, on the same node, already up
+    (`get_if_exists`); an existing one is left as it is. Returns at once; skipped if this Ray has no such call."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+    except ImportError:
+        return
+    get_or_create_autoscaling_coordinator()
 
 
 def run_with_ray(cfg: RunConfig, resume_from: str | None, *, objective: str | None = None,
