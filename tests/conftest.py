@@ -1,5 +1,6 @@
 """Fixtures shared by the model tests; one thread per process (tests and the runs they start)."""
 import os
+import sys
 
 import pytest
 import torch
@@ -8,6 +9,18 @@ import torch
 # once; measured, a single model test then went from ~1 s to over 100 s.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_left_in_the_test_process():
+    """No test leaves a Ray running in this process (runs start theirs in subprocesses): one started by accident
+    (`ray.get` or `.remote()` start a Ray when none is up) held Ray's default ports until the suite ended, every
+    later private Ray's agent retried its port, and a `ray start --head` was left without a job agent."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("this test left a Ray running in the test process")
 
 
 @pytest.fixture

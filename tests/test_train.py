@@ -232,6 +232,8 @@ def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     assert parsed.train_batch_size == 8 * 4 and parsed.gradient_clipping == cfg.train.grad_clip
     assert parsed.zero_config.offload_optimizer.device == "cpu"
     trainer = build_trainer(cfg, name="gpu-form", storage_path="/tmp/hpsearch-gpu-form")
+    import ray
+    assert not ray.is_initialized()  # building a trainer starts no Ray (a stray one held ports until the suite ended)
     assert trainer.train_loop_config["run"]["train"]["use_gpu"] is True
     assert trainer.scaling_config.use_gpu and trainer.scaling_config.resources_per_worker["GPU"] == 1.0
     assert trainer.backend_config.backend == "nccl"

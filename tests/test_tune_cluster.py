@@ -51,7 +51,7 @@ def run_isolated(script: str, path: Path, out: Path, timeout: float, tail: int =
 
 @pytest.mark.slow
 def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
-    gcs, dashboard, ui = free_ports(3)
+    gcs, dashboard, ui, agent = free_ports(4)
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a length limit
     out = tmp_path / "out"
     out.mkdir()
@@ -60,9 +60,11 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
         export PATH="{Path(sys.executable).parent}:$PATH"
         export RAY_AUTH_MODE=token
         cd {ROOT}
-        # the autoscaler's rounds every second, not every 5 s: the `never` study's verdict takes 3 of them
+        # the autoscaler's rounds every second, not every 5 s: the `never` study's verdict takes 3 of them; the
+        # head's agent on a free port (Ray's default one, taken, leaves the head without a job agent)
         AUTOSCALER_UPDATE_INTERVAL_S=1 ray start --head --port={gcs} --dashboard-host=127.0.0.1 \\
-            --dashboard-port={dashboard} --num-cpus=2 --disable-usage-stats --temp-dir={ray_tmp} > {out}/start.log 2>&1
+            --dashboard-port={dashboard} --dashboard-agent-listen-port={agent} --num-cpus=2 --disable-usage-stats \\
+            --temp-dir={ray_tmp} > {out}/start.log 2>&1
         echo "start=$?" >> {out}/codes
         for attempt in 1 2 3 4 5 6; do  # a busy machine may not have the head's job agent up yet
             ray job submit --address=http://127.0.0.1:{dashboard} --working-dir . \\

@@ -172,7 +172,12 @@ def _start_autoscaling_coordinator() -> None:
     named, one per cluster) now, while the controller starts. The controller creates it on first use, on its own
     node (that of the process calling `fit`, as here) and waits for it: about 1 s of its start on a private Ray, as
     the coordinator's process started only then. Created here it is the same actor, on the same node, already up
-    (`get_if_exists`); an existing one is left as it is. Returns at once; skipped if this Ray has no such call."""
+    (`get_if_exists`); an existing one is left as it is. Returns at once. Skipped if this Ray has no such call, and
+    without Ray up (a trainer built to be inspected): the call would start a Ray in this process."""
+    import ray
+
+    if not ray.is_initialized():
+        return
     try:
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator,
