@@ -98,7 +98,6 @@ def test_readme_cluster_commands_run_a_study_as_a_ray_job(tmp_path):
             except OSError:
                 time.sleep(1)
         EOF
-        echo "ui=$?" >> {out}/codes
         kill -- -$ui_pid
         ray stop > {out}/stop.log 2>&1
         echo "stop=$?" >> {out}/codes
