@@ -100,3 +100,7 @@ with open(os.path.join(sys.argv[1], f"build{rank}.json"), "w") as f:
 
 dist.barrier()
 dist.destroy_process_group()  # without it gloo's threads can abort the interpreter's exit ("terminate called ...")
+# and even with it they did once (CI, rank 1, after its report was written): nothing is left to do, so no teardown
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
