@@ -111,6 +111,23 @@ def test_methods_times_only_the_rows_asked_for():
 
 
 @pytest.mark.slow
+def test_deepspeed_group_times_plain_torch_with_torchs_own_linear(tmp_path):
+    """ZeRO-3's engine replaces torch.nn.functional.linear process-wide (memory_efficient_linear): the plain loop
+    timed beside it, and the ZeRO-0 engine, must still run torch's own, and so must the groups after this one."""
+    out = tmp_path / "linear.json"
+    worker = Path(__file__).parent / "workers" / "bench_linear.py"
+    proc = subprocess.run([sys.executable, str(worker), str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["figures"] == ["deepspeed/zero3_vs_torch", "deepspeed/zero0_vs_torch"]
+    assert len(seen["torch"]) == 3 and set(seen["torch"]) == {"torch"}  # warm-up + 2 reps
+    assert set(seen["zero0"]) == {"torch"}
+    assert set(seen["zero3"]) == {"deepspeed.runtime.zero.linear.zero3_linear_wrap"}  # ZeRO-3 keeps its own
+    assert seen["after"] == "torch"
+
+
+@pytest.mark.slow
 def test_checkpoint_group_tiny_shape():
     # after an in-process group (its torch.distributed rendezvous still open): the subprocess run must not inherit it
     out = report(bench("--shape", "t5-tiny", "--reps", "1", "--batch", "4x8+2", "--only", "deepspeed", "checkpoint",

@@ -239,10 +239,14 @@ def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     assert trainer.backend_config.backend == "nccl"
     cpu = deepspeed_config(load_config(), world_size=2)
     assert not cpu["bf16"]["enabled"] and cpu["zero_optimization"]["stage"] == 3
-    # ZeRO's buffers sized to the model (Hugging Face's "auto" values), not DeepSpeed's 5e8-element defaults
+    # ZeRO's buffers sized to the model (Hugging Face's "auto" values), not DeepSpeed's 5e8-element defaults; the
+    # reduce bucket at least a DDP bucket's 25 MiB of gradients (fp32 here, bf16 on GPU), d_model² when larger
     sized = DeepSpeedConfig(deepspeed_config(load_config(), 2, 3, hidden=768)).zero_config
-    assert sized.reduce_bucket_size == 768**2 and sized.prefetch_bucket_size == int(0.9 * 768**2)
+    assert sized.reduce_bucket_size == 25 * 2**20 // 4 and sized.prefetch_bucket_size == int(0.9 * 768**2)
     assert sized.param_persistence_threshold == 7680
+    gpu = load_config(None, ["train.use_gpu=true"])
+    assert deepspeed_config(gpu, 2, 3, hidden=768)["zero_optimization"]["reduce_bucket_size"] == 25 * 2**20 // 2
+    assert deepspeed_config(gpu, 2, 3, hidden=4096)["zero_optimization"]["reduce_bucket_size"] == 4096**2
     assert DeepSpeedConfig(cpu).zero_config.reduce_bucket_size == 5e8  # without the model's size: DeepSpeed's own
 
 

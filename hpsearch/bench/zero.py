@@ -68,6 +68,14 @@ def engine_step(model, cfg, batch):
     return step, engine
 
 
+def _with_linear(setup, linear):
+    """`setup`, after making `linear` torch.nn.functional's."""
+    def setup_with_linear():
+        torch.nn.functional.linear = linear
+        setup()
+    return setup_with_linear
+
+
 def run(shape: str, n_tasks: int, reps: int, batching: str, log,
         batch_shape: BatchShape = BATCH) -> tuple[list, dict]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -97,20 +105,26 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
     log(f"DeepSpeed stages {stages} vs a plain loop: {cfg.model.method} at {shape} (zero_stage=auto: {auto})")
     pool, errors, engines = Pool(), {}, []
     plain = copy.deepcopy(base)
-    pool.add("torch", plain_step(plain, cfg, batch), setup=plain.train)
+    # ZeRO-3's engine replaces torch.nn.functional.linear process-wide (memory_efficient_linear), and nn.Linear
+    # looks it up at each call: every entry runs with the one it would have in a process of its own
+    native = torch.nn.functional.linear
+    pool.add("torch", plain_step(plain, cfg, batch), setup=_with_linear(plain.train, native))
     for stage in stages:
         cfg.train.zero_stage = stage
         try:
             with contextlib.redirect_stdout(sys.stderr):
                 step, engine = engine_step(copy.deepcopy(base), cfg, batch)
             engines.append(engine)
-            pool.add(f"zero{stage}", step, setup=engine.train)
+            pool.add(f"zero{stage}", step, setup=_with_linear(engine.train, torch.nn.functional.linear))
         except Exception as e:
             errors[f"deepspeed:zero{stage}"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            torch.nn.functional.linear = native
     del base
     try:
         timings, failed = pool.run(reps, log)
     finally:
+        torch.nn.functional.linear = native  # the groups after this one time plain torch
         if created:
             torch.distributed.destroy_process_group()
     errors.update(failed)
