@@ -2,6 +2,7 @@
 trial, the Pareto front and the importances; plots are written as PNG; failures are summarised in one line."""
 from pathlib import Path
 
+import pytest
 from optuna.trial import TrialState
 
 from hpsearch.train import failure_reason
@@ -47,9 +48,25 @@ def test_only_whole_budget_trials_count(tmp_path):
 
 
 def test_report_best_pareto_importances_and_plots(tmp_path, monkeypatch):
+    import optuna.visualization.matplotlib as vis
+    from optuna.importance import FanovaImportanceEvaluator
+
     study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
     monkeypatch.setattr(report, "collect", lambda study, grid: rows())
+    fitted, drawn = [], {}
+    evaluate, plot = FanovaImportanceEvaluator.evaluate, vis.plot_param_importances
+    monkeypatch.setattr(FanovaImportanceEvaluator, "evaluate", lambda self, *a, **k: fitted.append(1) or
+                        evaluate(self, *a, **k))
+
+    def plot_and_record(*a, **k):
+        ax = plot(*a, **k)
+        drawn.update({t.get_text(): bar.get_width() for t, bar in zip(ax.get_yticklabels(), ax.patches)})
+        return ax
+    monkeypatch.setattr(vis, "plot_param_importances", plot_and_record)
     built = report.build(study, None, tmp_path / "plots")
+    # fANOVA is fitted once per objective; the plot shows the report's own numbers for the first one
+    assert len(fitted) == 2
+    assert drawn == pytest.approx(built.importances["fANOVA / best_score"])
     assert built.best.trial_id == "b"
     assert [r.trial_id for r in built.pareto] == ["b", "d"]
     assert set(built.importances) == {"fANOVA / best_score", "MDI / best_score", "fANOVA / extra_params",

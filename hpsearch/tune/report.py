@@ -99,7 +99,7 @@ def build(study: Study, result_grid, plot_dir: Path) -> Report:
         pareto = [by_id[t.user_attrs["trial_id"]] for t in ostudy.best_trials]
     notes: list[str] = []
     importances = _importances(ostudy, space, notes)
-    plots = _plots(ostudy, space, plot_dir, notes)
+    plots = _plots(ostudy, space, plot_dir, notes, importances)
     return Report(study, rows, best, pareto, importances, notes, plots)
 
 
@@ -148,7 +148,20 @@ def _fanova():
     return FanovaImportanceEvaluator(seed=0)
 
 
-def _plots(ostudy, space, plot_dir: Path, notes: list[str]) -> dict[str, Path]:
+def _plot_evaluator(importances: dict[str, float] | None):
+    """The evaluator of the importance plot: the report's own fANOVA importances when it has them (one forest
+    fitted, not two: the plot then shows the very numbers the report prints), else fANOVA afresh."""
+    if importances is None:
+        return _fanova()
+    from optuna.importance import BaseImportanceEvaluator
+
+    class Computed(BaseImportanceEvaluator):
+        def evaluate(self, study, params=None, *, target=None) -> dict[str, float]:
+            return {p: importances[p] for p in (params or importances)}
+    return Computed()
+
+
+def _plots(ostudy, space, plot_dir: Path, notes: list[str], importances: dict) -> dict[str, Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,7 +173,8 @@ def _plots(ostudy, space, plot_dir: Path, notes: list[str]) -> dict[str, Path]:
     kw = {"target": target, "target_name": name} if target else {"target_name": name}
     jobs = {"optimization_history": lambda: vis.plot_optimization_history(ostudy, **kw),
             "parallel_coordinates": lambda: vis.plot_parallel_coordinate(ostudy, **kw),
-            "importances": lambda: vis.plot_param_importances(ostudy, evaluator=_fanova(), **kw)}
+            "importances": lambda: vis.plot_param_importances(
+                ostudy, evaluator=_plot_evaluator(importances.get(f"fANOVA / {name}")), **kw)}
     if not valid_importances:  # never a plot the report calls invalid
         del jobs["importances"]
     if space.multi_objective:
