@@ -238,12 +238,13 @@ def find_trial_run(uri: str, experiment_id: str, parent_run_id: str, trial_id: s
     """The child run of a trial (the study's callback creates it as the trial starts): its id, or None."""
     import time
     client = _client(uri)
-    deadline = time.monotonic() + timeout
+    deadline, wait = time.monotonic() + timeout, 0.1
     while True:
         found = _trial_runs(client, experiment_id, parent_run_id, trial_id)
         if found or time.monotonic() > deadline:
             return found[0].info.run_id if found else None
-        time.sleep(1.0)
+        time.sleep(wait)  # the run is usually there within a poll or two: 0.1 s, then backing off to 1 s
+        wait = min(2 * wait, 1.0)
 
 
 def system_metrics_monitor(uri: str, run_id: str, interval: float, node_id: str | None = None):
