@@ -21,7 +21,6 @@ from t5_testing import logits, overfit, stock_copy, tiny_config
 
 from hpsearch.errors import ConfigError
 from hpsearch.model import base, build_model, save_export, save_task_params
-from hpsearch.model.base import MultiTaskT5
 from hpsearch.model.config import COMMON_FIELDS, METHOD_FIELDS, METHODS, ModelConfig
 
 TASKS = ["a", "b", "c"]
@@ -317,24 +316,27 @@ def test_attention_stats_run_for_every_method(name, batch):
 
 @pytest.mark.parametrize("name", SETUPS)
 def test_the_backbone_is_hooked_only_where_the_method_has_work(name, batch):
-    """A backbone module with a forward hook leaves torch's fast call path: a method that fills in neither
-    parallel_branch nor adapt_sublayer leaves every backbone module unhooked; one that does gets its sites hooked,
-    and a hook that does nothing leaves the output unchanged."""
-    model = make(name)
-    hooked = {n for n, m in model.t5.named_modules() if m._forward_hooks}
-    cls = type(model)
-    branches = cls.parallel_branch is not MultiTaskT5.parallel_branch
-    adapts = cls.adapt_sublayer is not MultiTaskT5.adapt_sublayer
-    assert bool(hooked) == (branches or adapts), sorted(hooked)[:5]
-    assert {n.rsplit(".", 1)[-1] for n in hooked} <= ({"SelfAttention", "DenseReluDense"}
-                                                      | ({"q", "k", "v", "o"} if branches else set()))
-    if name in ("mtl", "hyperprompt-global"):  # none: the same output as with the base class's hooks forced on
-        forced = make(name)
-        for module in base.sublayer_modules(forced.t5).values():
-            module.register_forward_hook(forced._sublayer_hook, with_kwargs=True)
-        for module in base.projection_modules(forced.t5).values():
+    """A backbone module with a forward hook leaves torch's fast call path, so the base class hooks only the sites
+    `hooks_site` names. Every site it leaves out must be one where the method's hooks do nothing: the model with
+    the base class's hooks forced onto every site gives the same logits (method parameters perturbed, so each one
+    matters)."""
+    model = perturb(make(name))
+    hooked = {m.hp_site for m in model.t5.modules() if m._forward_hooks}
+    sites = {**base.sublayer_modules(model.t5), **base.projection_modules(model.t5)}
+    assert hooked == {site for site in sites if model.hooks_site(site)}
+    expected = {"mtl": set(), "prompt_tuning": set(), "prefix": set(), "lora": {"q", "v"}, "mam": {"ffn"},
+                "pha": {"ffn"}, "adapter-ffn": {"ffn"}, "adapter-attention": {"attention"}}
+    kinds = {site[2] for site in hooked}
+    assert kinds == expected.get(name, set() if name.startswith("hyperprompt") else {"attention", "ffn"}), kinds
+    forced = perturb(make(name))
+    forced_sites = {**base.sublayer_modules(forced.t5), **base.projection_modules(forced.t5)}
+    for site, module in forced_sites.items():
+        if site[2] in base.PROJECTIONS and site not in hooked:
             module.register_forward_hook(forced._projection_hook)
-        assert torch.equal(logits(model, batch), logits(forced, batch))
+        elif site not in hooked:
+            module.register_forward_hook(forced._sublayer_hook, with_kwargs=True)
+    assert all(m._forward_hooks for m in forced_sites.values())
+    assert torch.equal(logits(model, batch), logits(forced, batch))
 
 
 @pytest.mark.parametrize("name", WITH_TASK_PARAMS)

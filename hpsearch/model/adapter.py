@@ -63,9 +63,11 @@ class TaskAdapter(nn.Module):
         return row_bottleneck(x, *weights, scale=self.scale)
 
 
+ADAPTED_KINDS = {"both": ("attention", "ffn"), "attention": ("attention",), "ffn": ("ffn",)}  # adapter_sites
+
+
 def adapted_sites(t5, adapter_sites: str) -> list[Site]:
-    kinds = {"both": ("attention", "ffn"), "attention": ("attention",), "ffn": ("ffn",)}[adapter_sites]
-    return [site for site in sublayer_modules(t5) if site[2] in kinds]
+    return [site for site in sublayer_modules(t5) if site[2] in ADAPTED_KINDS[adapter_sites]]
 
 
 def site_name(site: Site) -> str:
@@ -81,6 +83,9 @@ class AdapterT5(MultiTaskT5):
         self.adapters = nn.ModuleDict({site_name(s): TaskAdapter(len(self.tasks), t5.config.d_model, cfg.bottleneck,
                                                                          cfg.adapter_scale)
                                        for s in self.sites})
+
+    def hooks_site(self, site: Site) -> bool:
+        return site[2] in ADAPTED_KINDS[self.cfg.adapter_sites]
 
     def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         name = site_name(site)

@@ -15,6 +15,8 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     (side, layer, "q" | "k" | "v" | "o") (LoRA, parallel adapters)
     adapt_sublayer(ctx, site, y)    rewrite a sublayer's output y (before T5's dropout + residual; after the parallel
                                     branch); site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
+    hooks_site(site)                whether the backbone module at a site may need parallel_branch or adapt_sublayer
+                                    (by default: every site of the ones the method fills in)
     auxiliary_losses(ctx, enc, mask)   (term added to the training loss, {name: value to log}) from the encoder
                                     output [batch, n, d] and its mask; runs on every forward with labels (PHA)
     nearest_task(batch)             the existing task a new task's rows are closest to (few-shot transfer starts
@@ -25,9 +27,10 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
 indexed per row on request (following beam search's repeat_interleave; a one-task batch gets its task's row once,
 [1, ...], and `row_linear` applies it as one matrix product). Every hook runs on every call, for every
 layer, whatever tasks the batch holds: data-parallel ranks call the same modules in the same order (ZeRO-3).
-The backbone's modules are hooked (torch forward hooks) only for the hooks a method fills in: parallel_branch hooks
-the sublayers and projections, adapt_sublayer the sublayers; methods that fill in neither leave T5's modules on
-torch's fast call path. Plain multi-task T5 (MTL) is this class as it is.
+The backbone's modules are hooked (torch forward hooks) only at the sites `hooks_site` names: by default every
+site of the hooks a method fills in (parallel_branch: sublayers and projections; adapt_sublayer: sublayers), which a
+method narrows to the sites it uses; methods that fill in neither leave T5's modules on torch's fast call path.
+Plain multi-task T5 (MTL) is this class as it is.
 """
 from __future__ import annotations
 
@@ -168,16 +171,15 @@ class MultiTaskT5(nn.Module):
         self._frozen: dict | None = None
         self._ctx: TaskContext | None = None
         use_prompted_attention(t5)
-        # the backbone's modules get forward hooks only for the hooks this method fills in: a module with a hook
-        # leaves torch's fast call path (MTL's 72 hooks that did nothing cost 1.7 % of its greedy generation)
-        branches = self._fills_in("parallel_branch")
+        # the backbone's modules get forward hooks only where this method has work (`hooks_site`): a module with a
+        # hook leaves torch's fast call path (MTL's 72 hooks that did nothing cost 1.7 % of its greedy generation)
         for site, module in sublayer_modules(t5).items():
             module.hp_site = site
-            if branches or self._fills_in("adapt_sublayer"):
+            if self.hooks_site(site):
                 module.register_forward_hook(self._sublayer_hook, with_kwargs=True)
         for site, module in projection_modules(t5).items():
             module.hp_site = site
-            if branches:
+            if self.hooks_site(site):
                 module.register_forward_hook(self._projection_hook)
         if cfg.train_task_params_only:
             t5.requires_grad_(False)
@@ -220,6 +222,14 @@ class MultiTaskT5(nn.Module):
     def auxiliary_losses(self, ctx: TaskContext, encoder_hidden: torch.Tensor, encoder_mask: torch.Tensor):
         """(a term added to the loss, {name: its parts to log}) on a forward with labels. MTL: none."""
         return None, {}
+
+    def hooks_site(self, site: Site) -> bool:
+        """Whether the module at `site` (a sublayer or a self-attention projection) may get a parallel branch or
+        an adapted output: the base class hooks only those modules. Asked while the base class is built, so it may
+        read `self.cfg` and `self.t5` only. By default every site of the hooks the method fills in (parallel_branch:
+        sublayers and projections; adapt_sublayer: sublayers); a method narrows it to the sites it uses."""
+        branches = self._fills_in("parallel_branch")
+        return branches or (site[2] in SUBLAYER_KINDS and self._fills_in("adapt_sublayer"))
 
     def parameter_formula(self) -> Formula:
         return Formula("0")

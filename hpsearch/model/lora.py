@@ -66,6 +66,9 @@ class LoRAT5(MultiTaskT5):
             site_name(s): TaskLoRA(len(self.tasks), c.d_model, c.num_heads * c.d_kv, cfg.lora_rank, cfg.lora_alpha,
                                    cfg.lora_dropout) for s in self.sites})
 
+    def hooks_site(self, site: Site) -> bool:
+        return site[2] in LORA_PROJECTIONS
+
     def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         name = site_name(site)
         if name not in self.lora:

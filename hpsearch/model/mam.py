@@ -57,6 +57,9 @@ class MAMT5(PrefixT5):
     def length_of(cfg) -> int:
         return cfg.mam_prefix_length
 
+    def hooks_site(self, site: Site) -> bool:
+        return site[2] == "ffn"  # a parallel adapter beside each feed-forward sublayer, nothing elsewhere
+
     def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         side, layer, kind = site
         if kind != "ffn":

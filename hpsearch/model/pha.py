@@ -113,6 +113,9 @@ class PHAT5(MultiTaskT5):
         """k [T, p], through the embedding's own forward (ZeRO-3 gathers it there; its .weight is partitioned)."""
         return self.prototypes(self._arange(len(self.tasks), device))
 
+    def hooks_site(self, site: Site) -> bool:
+        return site[2] == "ffn"  # a parallel adapter beside each feed-forward sublayer, nothing elsewhere
+
     def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         side, layer, kind = site
         if kind != "ffn":
