@@ -80,9 +80,7 @@ def has_generators(model) -> bool:
     """True when the method makes its task tensors per call (so freezing them can save something)."""
     from hpsearch.model import MultiTaskT5
 
-    hooks = [h for h in ("generate_task_tensors", "generate_prompts") if hasattr(MultiTaskT5, h)]
-    return isinstance(model, MultiTaskT5) and any(getattr(type(model), h) is not getattr(MultiTaskT5, h)
-                                                  for h in hooks)
+    return isinstance(model, MultiTaskT5) and type(model).fills_in("generate_task_tensors")
 
 
 def _call_first(model, *names) -> None:

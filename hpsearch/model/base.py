@@ -185,7 +185,8 @@ class MultiTaskT5(nn.Module):
             t5.requires_grad_(False)
 
     @classmethod
-    def _fills_in(cls, hook: str) -> bool:
+    def fills_in(cls, hook: str) -> bool:
+        """Whether this method overrides the base class's `hook` (e.g. "parallel_branch")."""
         return getattr(cls, hook) is not getattr(MultiTaskT5, hook)
 
     @property
@@ -228,8 +229,8 @@ class MultiTaskT5(nn.Module):
         an adapted output: the base class hooks only those modules. Asked while the base class is built, so it may
         read `self.cfg` and `self.t5` only. By default every site of the hooks the method fills in (parallel_branch:
         sublayers and projections; adapt_sublayer: sublayers); a method narrows it to the sites it uses."""
-        branches = self._fills_in("parallel_branch")
-        return branches or (site[2] in SUBLAYER_KINDS and self._fills_in("adapt_sublayer"))
+        branches = self.fills_in("parallel_branch")
+        return branches or (site[2] in SUBLAYER_KINDS and self.fills_in("adapt_sublayer"))
 
     def parameter_formula(self) -> Formula:
         return Formula("0")
