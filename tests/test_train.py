@@ -518,7 +518,8 @@ def test_resume_restores_an_older_best_checkpoint(tmp_path):
 
 # a finished run's engine, counted in this process (automatic collection off: the count is deterministic), before
 # and after what a reused Tune actor does before its next trial; what the loop froze (objects the collector no longer
-# tracks) before and after the run, and after a second trial's start and the loop's freeze again
+# tracks) before and after the run, and after a second trial's start and the loop's freeze again; and whether the
+# process's linear function was torch's own during the run's steps and after it
 RELEASED = """
 import gc, sys
 gc.disable()
@@ -529,14 +530,24 @@ from hpsearch.train.loop import train_loop
 from hpsearch.train.sessions import LocalSession
 from hpsearch.train.startup import freeze_imports
 from hpsearch.tune.inprocess import start_reused_trial
+from hpsearch.train.ops import import_deepspeed
 
+DeepSpeedEngine = import_deepspeed().DeepSpeedEngine
 cfg = load_config(None, sys.argv[1:])
 start_reused_trial()
 before = gc.get_freeze_count()
+native, seen = torch.nn.functional.linear, set()
+engine_step = DeepSpeedEngine.step
+def step(self, *args, **kwargs):  # the linear every optimizer step of the run saw
+    seen.add(torch.nn.functional.linear is native)
+    return engine_step(self, *args, **kwargs)
+DeepSpeedEngine.step = step
 train_loop(loop_config(cfg), LocalSession(cfg, None))
+DeepSpeedEngine.step = engine_step
 frozen_by_loop = gc.get_freeze_count()
 count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects()),
-                 sum(o.numel() for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)))
+                 sum(getattr(o, "ds_numel", o.numel()) for o in gc.get_objects()  # ZeRO-3's: local shape [0]
+                     if isinstance(o, torch.nn.Parameter)))
 print(*count())
 start_reused_trial()
 freeze_imports()  # as the next trial's loop does
@@ -544,23 +555,29 @@ frozen_later = gc.get_freeze_count()
 gc.unfreeze()  # gc.get_objects() leaves frozen objects out: count them too (an engine frozen is never collected)
 print(*count())
 print(before, frozen_by_loop, frozen_later)
+print(int(seen == {True}), int(torch.nn.functional.linear is native))
 """
 
 
 @pytest.mark.slow
-def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path):
+@pytest.mark.parametrize("stage", ["auto", "3"])
+def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path, stage):
     """The engine a run leaves is in reference cycles (only a full collection frees it): an actor that trains the next
-    trial would hold two models at once without `free_trial_memory`."""
-    run = run_train("train.max_steps=4", "train.eval_every=4", "train.micro_batch_size=8",
+    trial would hold two models at once without `free_trial_memory`. ZeRO-3's engine (one rank, in this process) also
+    replaces torch's linear function for the whole process: the run trains with DeepSpeed's, the next starts with
+    torch's again."""
+    run = run_train("train.max_steps=4", "train.eval_every=4", "train.micro_batch_size=8", f"train.zero_stage={stage}",
                     f"train.output_dir={tmp_path}", timeout=300, script=RELEASED)
     assert run.returncode == 0, run.stderr[-2000:]
-    (engines, params), after, (before, by_loop, frozen_later) = [tuple(map(int, ln.split()))
-                                                                 for ln in run.stdout.splitlines()[-3:]]
+    (engines, params), after, (before, by_loop, frozen_later), (native_in_run, native_after) = [
+        tuple(map(int, ln.split())) for ln in run.stdout.splitlines()[-4:]]
     assert engines == 1 and params > 0  # left by the run, until a collection
     assert after == (0, 0)  # collected, although the loop froze what was alive before it built
     # nothing frozen before the loop; the loop froze what was imported (torch, DeepSpeed, ...) before it built, once
     # per process (nothing since: some freed)
     assert before == 0 and by_loop > 100_000 and frozen_later <= by_loop
+    assert native_in_run == (stage == "auto")  # ZeRO-3 trains with its own linear, stage 0 with torch's
+    assert native_after == 1
 
 
 # `python -m hpsearch.train` in which DeepSpeed's CPU Adam op cannot be built or loaded

@@ -16,7 +16,7 @@ from hpsearch.config import load_config
 from hpsearch.errors import UserError, disk_full
 from hpsearch.model import backbones
 from hpsearch.train import checkpoints, hostmem, startup
-from hpsearch.train.build import ModelBuilder, unique_parameters, use_zero_init
+from hpsearch.train.build import ModelBuilder, release, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
 from hpsearch.train.objective import load_objective
@@ -74,8 +74,10 @@ def train_loop(loop_config: dict, session=None) -> dict:
         from hpsearch.tracking import system_metrics_monitor
         monitor = system_metrics_monitor(watch["tracking_uri"], watch["run_id"], watch["interval"],
                                          node_id=f"node_{session.node_rank}" if session.nodes > 1 else None)
+    linear = torch.nn.functional.linear  # DeepSpeed's ZeRO-3 engine swaps in its own (below)
     try:
-        return _train(loop_config, session)
+        with contextlib.ExitStack() as on_exit:  # the run's engine is released however the run ends
+            return _train(loop_config, session, on_exit)
     except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError (a Hugging Face save_pretrained)
         if disk_full(e):  # checkpoints, exports or Ray's upload of them: say so, do not retry
             where = getattr(e, "filename", None) or load_config(base=loop_config["run"]).train.output_dir
@@ -85,9 +87,13 @@ def train_loop(loop_config: dict, session=None) -> dict:
     finally:
         if monitor is not None:
             monitor.finish()
+        # ZeRO-3's engine replaces torch.nn.functional.linear for the whole process (DeepSpeed's memory-efficient
+        # linear: "this will persist unless manually reset"), and nn.Linear looks it up at every call: a process that
+        # trains trial after trial (a reused Tune actor, kept ranks) starts each with the linear it started with
+        torch.nn.functional.linear = linear
 
 
-def _train(loop_config: dict, session) -> dict:
+def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
     cfg = load_config(base=loop_config["run"])
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -127,6 +133,7 @@ def _train(loop_config: dict, session) -> dict:
     optimizer, scheduler = optimizer_and_schedule(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, world, stage, hidden))  # the engine steps both
+    on_exit.callback(release, engine)
     marks["engine"] = time.time()
     step, best = 0, {"score": -math.inf, "step": 0}
     out_dir = Path(cfg.train.output_dir)
