@@ -125,6 +125,7 @@ def test_deepspeed_group_times_plain_torch_with_torchs_own_linear(tmp_path):
     assert set(seen["zero0"]) == {"torch"}
     assert set(seen["zero3"]) == {"deepspeed.runtime.zero.linear.zero3_linear_wrap"}  # ZeRO-3 keeps its own
     assert seen["after"] == "torch"
+    assert seen["engines_after"] == 0  # the group released its engines (DeepSpeed keeps ZeRO-3's alive otherwise)
 
 
 @pytest.mark.slow

@@ -84,6 +84,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
     from hpsearch.bench.models import batch_shape_of, make_batch
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config
+    from hpsearch.train.build import release
     from hpsearch.train.dsconfig import auto_zero_stage
     from hpsearch.train.ops import import_deepspeed, load_ops
 
@@ -125,6 +126,8 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
         timings, failed = pool.run(reps, log)
     finally:
         torch.nn.functional.linear = native  # the groups after this one time plain torch
+        for engine in engines:  # else DeepSpeed keeps a ZeRO-3 engine and its model for the rest of the run
+            release(engine)
         if created:
             torch.distributed.destroy_process_group()
     errors.update(failed)

@@ -2,9 +2,10 @@
 `torch.nn.functional.linear` each timed entry runs with. ZeRO-3's engine replaces it process-wide; the plain torch
 loop and the ZeRO-0 engine must still run torch's own.
 
-Writes a JSON report to argv[1]: {entry: [names of the linear at each call]}, and the one left behind ("after");
-tests/test_bench.py asserts on it.
+Writes a JSON report to argv[1]: {entry: [names of the linear at each call]}, the one left behind ("after") and the
+DeepSpeed engines still alive after a full collection ("engines_after"); tests/test_bench.py asserts on it.
 """
+import gc
 import json
 import os
 import sys
@@ -42,5 +43,8 @@ def engine_step_recorded(model, cfg, batch):
 zero.engine_step = engine_step_recorded
 figures, errors = zero.run("t5-tiny", 2, 2, "task", lambda *a: None, BatchShape(4, 8, 2))
 assert not errors, errors
+gc.collect()
+alive = sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects())
 with open(sys.argv[1], "w") as f:
-    json.dump({**seen, "after": name(torch.nn.functional.linear), "figures": [x.name for x in figures]}, f)
+    json.dump({**seen, "after": name(torch.nn.functional.linear), "figures": [x.name for x in figures],
+               "engines_after": alive}, f)
