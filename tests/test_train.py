@@ -518,8 +518,8 @@ def test_resume_restores_an_older_best_checkpoint(tmp_path):
 
 # a finished run's engine, counted in this process (automatic collection off: the count is deterministic), before
 # and after what a reused Tune actor does before its next trial; what the loop froze (objects the collector no longer
-# tracks) before and after the run, and after a second trial's start and the loop's freeze again; and whether the
-# process's linear function was torch's own during the run's steps and after it
+# tracks) before and after the run, and after a second trial's start and the loop's freeze again; whether the
+# process's linear function was torch's own during the run's steps and after it; and the same for a second trial
 RELEASED = """
 import gc, sys
 gc.disable()
@@ -548,14 +548,29 @@ frozen_by_loop = gc.get_freeze_count()
 count = lambda: (sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects()),
                  sum(getattr(o, "ds_numel", o.numel()) for o in gc.get_objects()  # ZeRO-3's: local shape [0]
                      if isinstance(o, torch.nn.Parameter)))
-print(*count())
+print("R", *count())
 start_reused_trial()
 freeze_imports()  # as the next trial's loop does
 frozen_later = gc.get_freeze_count()
 gc.unfreeze()  # gc.get_objects() leaves frozen objects out: count them too (an engine frozen is never collected)
-print(*count())
-print(before, frozen_by_loop, frozen_later)
-print(int(seen == {True}), int(torch.nn.functional.linear is native))
+print("R", *count())
+print("R", before, frozen_by_loop, frozen_later)
+print("R", int(seen == {True}), int(torch.nn.functional.linear is native))
+
+# a second trial in this process, stopped inside its first report as ASHA stops one (Tune raises SystemExit there)
+class Stopped(LocalSession):
+    def report(self, metrics, checkpoint_dir):
+        raise SystemExit
+
+cfg = load_config(None, [*sys.argv[1:], "train.eval_every=2", f"train.output_dir={cfg.train.output_dir}/stopped"])
+start_reused_trial()
+try:
+    train_loop(loop_config(cfg), Stopped(cfg, None))
+    stopped = 0
+except SystemExit:
+    stopped = 1
+start_reused_trial()
+print("R", stopped, *count(), int(torch.nn.functional.linear is native))
 """
 
 
@@ -565,12 +580,12 @@ def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path, s
     """The engine a run leaves is in reference cycles (only a full collection frees it): an actor that trains the next
     trial would hold two models at once without `free_trial_memory`. ZeRO-3's engine (one rank, in this process) also
     replaces torch's linear function for the whole process: the run trains with DeepSpeed's, the next starts with
-    torch's again."""
+    torch's again. The same for a second trial that a stop ends inside its report."""
     run = run_train("train.max_steps=4", "train.eval_every=4", "train.micro_batch_size=8", f"train.zero_stage={stage}",
                     f"train.output_dir={tmp_path}", timeout=300, script=RELEASED)
     assert run.returncode == 0, run.stderr[-2000:]
-    (engines, params), after, (before, by_loop, frozen_later), (native_in_run, native_after) = [
-        tuple(map(int, ln.split())) for ln in run.stdout.splitlines()[-4:]]
+    (engines, params), after, (before, by_loop, frozen_later), (native_in_run, native_after), stopped = [
+        tuple(map(int, ln.split()[1:])) for ln in run.stdout.splitlines() if ln.startswith("R ")]
     assert engines == 1 and params > 0  # left by the run, until a collection
     assert after == (0, 0)  # collected, although the loop froze what was alive before it built
     # nothing frozen before the loop; the loop froze what was imported (torch, DeepSpeed, ...) before it built, once
@@ -578,6 +593,40 @@ def test_a_reused_actor_frees_the_last_trials_engine_before_the_next(tmp_path, s
     assert before == 0 and by_loop > 100_000 and frozen_later <= by_loop
     assert native_in_run == (stage == "auto")  # ZeRO-3 trains with its own linear, stage 0 with torch's
     assert native_after == 1
+    # the next trial trains in the same process; stopped inside a report, its engine goes too, torch's linear is back
+    assert stopped == (1, 0, 0, 1)
+
+
+# an engine whose DeepSpeed clean-up fails: its modules still leave DeepSpeed's forward-module stack, in one line
+RELEASE_FAILS = """
+import torch
+from hpsearch.train.loop import _release
+from hpsearch.train.ops import import_deepspeed
+
+import_deepspeed()
+from deepspeed.runtime.zero import parameter_offload
+
+module, other = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2)
+
+
+class Engine:
+    module = module
+
+    def destroy(self):
+        raise RuntimeError("device lost")
+
+
+parameter_offload.FWD_MODULE_STACK.extend([other, module, module[0]])  # a forward that raised left its submodule
+print(_release(Engine(), 1, None), [m is other for m in parameter_offload.FWD_MODULE_STACK])
+"""
+
+
+def test_an_engine_whose_clean_up_fails_is_one_line_and_still_leaves_deepspeeds_stack():
+    run = run_train(script=RELEASE_FAILS, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        "[hpsearch.train] rank 1: releasing the DeepSpeed engine failed (RuntimeError: device lost); this process may "
+        "keep the run's model in memory", "False [True]"]
 
 
 # `python -m hpsearch.train` in which DeepSpeed's CPU Adam op cannot be built or loaded

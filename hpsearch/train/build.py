@@ -120,18 +120,22 @@ def release(engine) -> None:
     ZeRO-3 model alive for the process's life, and through the hooks DeepSpeed put on it, its engine with the
     optimizer's state (on GPU, device memory), one more each trial:
     - the engine puts its model on DeepSpeed's forward-module stack (`FWD_MODULE_STACK`) when it sets up and never
-      takes it off;
+      takes it off (and a forward that raised leaves its submodules there too);
     - the parameter coordinator memoises which parameters each submodule releases with `functools.lru_cache` on a
       method, a cache shared by the class that holds every coordinator and submodule it was asked about.
-    `destroy()` (DeepSpeed's own clean-up) removes the hooks and the engine's buffers; the model is taken off the
-    stack and the cache emptied here (a memo: a live engine recomputes what it needs). The loop restores torch's
-    linear function, which ZeRO-3 also replaces process-wide."""
-    engine.destroy()
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    `destroy()` (DeepSpeed's own clean-up) removes the hooks and the engine's buffers; the model's modules are taken
+    off the stack and the cache emptied here (a memo: a live engine recomputes what it needs), also when `destroy()`
+    fails. The loop restores torch's linear function, which ZeRO-3 also replaces process-wide."""
+    try:
+        engine.destroy()
+    finally:
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not engine.module]
-    memo = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
-    for cell in getattr(memo, "__closure__", None) or ():  # inside DeepSpeed's NVTX wrapper
-        if hasattr(cell.cell_contents, "cache_clear"):
-            cell.cell_contents.cache_clear()
+        ours = {id(m) for m in engine.module.modules()}
+        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in ours]
+        memo = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+        wrapped = [cell.cell_contents for cell in getattr(memo, "__closure__", None) or ()]  # DeepSpeed's NVTX wrapper
+        for cache in (memo, *wrapped):
+            if hasattr(cache, "cache_clear"):
+                cache.cache_clear()
