@@ -46,6 +46,7 @@ def test_zero3_step_every_method(tmp_path):
             assert r["generated"] == r["expected"]  # synced generation under ZeRO-3 == the plain model's
             assert r["frozen"] == r["expected"]  # ... also from task tensors frozen under ZeRO-3
             assert r["merged"] == (name == "lora") and r["merge_equal"]  # LoRA's merge of the gathered weights
+            assert r["engines_alive"] == 0  # released: DeepSpeed keeps no partitioned model of an earlier method
             # the best weights: written whole, one parameter at a time, and read back exactly after the weights moved,
             # each rank reading its own partitions (half of every parameter, up to the padding of odd sizes)
             share = r["best"].pop("read_share")

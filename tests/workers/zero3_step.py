@@ -2,11 +2,13 @@
 (the three HyperPrompt variants, MTL, prompt tuning, adapter, HyperFormer++, prefix tuning, LoRA, MAM): training
 steps, synced generation with the task tensors generated and frozen (`freeze_task_params`, as evaluation does), and
 LoRA's single-task merge under `GatheredParameters`, and the best weights written and read back
-(`checkpoints.save_best` / `load_best`, one parameter gathered at a time), also with every parameter persistent.
+(`checkpoints.save_best` / `load_best`, one parameter gathered at a time), also with every parameter persistent; and
+after each method the DeepSpeed engines still alive once its engine is released (`build.release`) and collected.
 
 Writes a JSON report per rank to argv[1]; tests/test_zero3.py asserts on it.
 """
 import copy
+import gc
 import json
 import os
 import sys
@@ -19,6 +21,7 @@ from pyarrow import fs  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from hpsearch.model import build_model  # noqa: E402
+from hpsearch.train.build import release  # noqa: E402
 from hpsearch.train.checkpoints import load_best, save_best  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
 from hpsearch.train.startup import freeze_imports  # noqa: E402
@@ -126,6 +129,10 @@ for name, (method, hparams) in SETUPS.items():
                         local_shapes=local_shapes, partitioned=partitioned, changed=changed,
                         backbone_changed=backbone_changed, extra=model.extra_parameters(),
                         plain_extra=plain.extra_parameters())
+    release(engine)  # as the recipe does when a run ends: then nothing keeps this method's engine alive
+    del engine, opt, model, loss
+    gc.collect()
+    report[name]["engines_alive"] = sum(type(o).__name__ == "DeepSpeedEngine" for o in gc.get_objects())
 # every parameter persistent (kept whole beside its partition, as DeepSpeed does below its threshold, 1e5 elements
 # by default): the loaded weights must reach the whole copies too
 torch.manual_seed(0)
