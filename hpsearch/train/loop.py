@@ -133,7 +133,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
     optimizer, scheduler = optimizer_and_schedule(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(cfg, world, stage, hidden))  # the engine steps both
-    on_exit.push(lambda *exc: _release(engine, rank, exc[1]))
+    on_exit.callback(_release, engine, rank)
     marks["engine"] = time.time()
     step, best = 0, {"score": -math.inf, "step": 0}
     out_dir = Path(cfg.train.output_dir)
@@ -247,7 +247,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
     return final
 
 
-def _release(engine, rank: int, error: BaseException | None) -> bool:
+def _release(engine, rank: int) -> None:
     """Release the run's engine (build.release) as the run ends, however it ends (its result reported, an error, a
     stop inside a report). A failure here, never expected, is one line: it does not replace how the run ended."""
     try:
@@ -255,7 +255,6 @@ def _release(engine, rank: int, error: BaseException | None) -> bool:
     except Exception as e:
         print(f"[hpsearch.train] rank {rank}: releasing the DeepSpeed engine failed ({type(e).__name__}: {e}); "
               "this process may keep the run's model in memory", flush=True)
-    return False  # an exception on its way goes on
 
 
 @contextlib.contextmanager
