@@ -45,7 +45,10 @@ def check_figures(out: dict) -> None:
 def test_smoke_tiny_shape_json_fields():
     from hpsearch.model import METHOD_CLASSES
 
-    out = report(bench("--shape", "t5-tiny", "--reps", "2", "--batch", "8x16+4", "--only", *RATIO_GROUPS, "--json"))
+    proc = bench("--shape", "t5-tiny", "--reps", "2", "--batch", "8x16+4", "--only", *RATIO_GROUPS, "--json")
+    out = report(proc)
+    # then the memory malloc keeps of the groups' freed models goes back to the OS, for the subprocess groups
+    assert "gave the freed memory back to the OS: resident " in proc.stderr, proc.stderr[-2000:]
     assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
     assert out["batch"] == {"rows": 8, "source_tokens": 16, "target_tokens": 4, "batching": "task"}
     assert out["methods"] is None  # every method row
@@ -179,6 +182,27 @@ def test_memory_group_builds_under_zero_init_and_gathers_one_parameter_at_a_time
     assert abs(phases["before"][0]["build"] - phases["before"][1]["build"]) < 0.3, phases
 
 
+def test_memory_group_that_does_not_fit_the_free_memory_is_not_measured(monkeypatch):
+    """Ranks that need more host memory than is free are not started (the kernel would kill one of them, or the
+    benchmark itself, part-way): the group reports why, and the other groups' figures stand."""
+    import psutil
+
+    from hpsearch.bench import memory
+
+    need = memory.need_bytes("t5-small", 2)
+    weights = memory.weights_bytes("t5-small")
+    assert need == int(6.5 * weights) + 2 * memory.RANK_IMPORTS and 0.2e9 < weights < 0.3e9  # 60.5 M fp32
+    spawned = []
+    monkeypatch.setattr(memory, "_spawn", lambda *a: spawned.append(a) or [])
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=need - 1))
+    figures, errors = memory.run("t5-small", lambda text: None, 2)
+    assert figures == [] and not spawned, spawned
+    assert errors == {"memory": f"2 ranks of t5-small need about {need / 2**30:.1f} GiB of host memory, available "
+                                f"now {(need - 1) / 2**30:.1f} GiB; expected a smaller --memory-shape (t5-base), "
+                                "fewer --memory-world ranks, or --skip memory"}
+
+
 @pytest.mark.slow
 def test_study_group_tiny_shape():
     """Studies of 1 and 2 one-worker trials training in the trials' own actors (the group's code, run here without
@@ -208,6 +232,8 @@ def test_study_group_tiny_shape():
     (["--methods", "hyperprompt"], "--methods: 'hyperprompt' is not a method row; known: "),
     (["--methods", "lora", "--only", "deepspeed"], "--methods: selects rows of groups step, generate and flops; none"),
     (["--batch", "0x64+8"], "--batch: '0x64+8' is not ROWSxSOURCE+TARGET with positive integers"),
+    # more host memory than the machine has (t5-11b: ~44 GB of weights a copy): refused before anything runs
+    (["--only", "memory", "--memory-shape", "t5-11b"], "--memory-shape: 2 ranks of t5-11b need about 27"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     proc = bench(*args, timeout=120)

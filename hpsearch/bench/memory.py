@@ -26,6 +26,7 @@ from pathlib import Path
 from hpsearch.bench.timing import Figure
 
 WORLD = 2  # ranks, unless --memory-world says else
+RANK_IMPORTS = 1 << 30  # a rank's resident memory before it builds (torch, transformers, DeepSpeed): ~0.8 GiB here
 GOAL_OTHER_RANKS = 0.1  # a rank other than 0 holds at most about one whole parameter beyond its shard
 TIMEOUT_S = 1800
 
@@ -77,7 +78,7 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
 
     from hpsearch.config import load_config
     from hpsearch.model import build_from_config, build_skeleton
-    from hpsearch.train.build import ModelBuilder, unique_parameters
+    from hpsearch.train.build import ModelBuilder
     from hpsearch.train.dsconfig import deepspeed_config
     from hpsearch.train.objective import gathered_state
     from hpsearch.train.ops import import_deepspeed, load_ops
@@ -102,10 +103,7 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     else:  # the recipe: rank 0 builds it whole, every rank its partitions under zero.Init
         model = ModelBuilder(lambda n: 3, lambda stage, hidden: deepspeed_config(cfg, world, stage, hidden), rank)(
             make, lambda: build_skeleton(cfg.model, cfg.data.tasks))
-    with torch.device("meta"):
-        skeleton = build_skeleton(cfg.model, cfg.data.tasks)
-    weights = sum(p.numel() * p.element_size() for p in unique_parameters(skeleton))
-    hidden = skeleton.config.d_model
+    weights, hidden = weights_bytes(shape), model.config.d_model
     peak.phase("partition")
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-4),
@@ -124,6 +122,37 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     peak.phase(None)
     Path(out).write_text(json.dumps({"rank": rank, "weights_bytes": weights, "phases": peak.phases}))
     torch.distributed.destroy_process_group()  # left to the interpreter's exit, gloo's threads can abort it
+
+
+def weights_bytes(shape: str) -> int:
+    """The bytes of the group's model's weights (each parameter once), from a build on the meta device."""
+    import torch
+
+    from hpsearch.config import load_config
+    from hpsearch.model import build_skeleton
+    from hpsearch.train.build import unique_parameters
+
+    cfg = load_config(None, [f"model.backbone={shape}"])
+    with torch.device("meta"):
+        skeleton = build_skeleton(cfg.model, cfg.data.tasks)
+    return sum(p.numel() * p.element_size() for p in unique_parameters(skeleton))
+
+
+def need_bytes(shape: str, world: int) -> int:
+    """Host memory the group's `world` ranks need at once, estimated: at t5-large with 2 ranks the node's memory in
+    use rose by at most 18.8 GiB, 6.8x the 2.77 GiB of weights with the ranks' imports (2026-11-27); a further
+    rank holds about 0.9x more (4 ranks at t5-base). (4.5 + world)x the weights plus each rank's imports."""
+    return int((4.5 + world) * weights_bytes(shape)) + world * RANK_IMPORTS
+
+
+def too_big(shape: str, world: int, memory: int, of: str) -> str | None:
+    """Why the group cannot run in `memory` bytes (`of`: whose memory that is), or None when it fits."""
+    need = need_bytes(shape, world)
+    if need <= memory:
+        return None
+    return (f"{world} ranks of {shape} need about {need / 2**30:.1f} GiB of host memory, {of} "
+            f"{memory / 2**30:.1f} GiB; expected a smaller --memory-shape (t5-base), fewer --memory-world ranks, "
+            f"or --skip memory")
 
 
 RUNS = {"recipe": ("partitioned", "one at a time"), "before": ("whole", "all at once")}  # name: (build, export)
@@ -158,9 +187,14 @@ def _spawn(shape: str, run: str, tmp: Path, world: int) -> list[dict]:
 
 
 def run(shape: str, log, world: int = WORLD) -> tuple[list, dict]:
+    import psutil
+
     results = {}
     with tempfile.TemporaryDirectory(prefix="hpsearch-bench-memory-") as tmp:
         for run, (build, mode) in RUNS.items():
+            why = too_big(shape, world, psutil.virtual_memory().available, "available now")
+            if why:  # the kernel would kill a rank, or this process, part-way
+                return [], {"memory": why}
             log(f"memory: {world} ZeRO-3 ranks build ({build}), partition and export ({mode}) {shape}")
             folder = Path(tmp, run)
             folder.mkdir()

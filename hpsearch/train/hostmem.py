@@ -19,7 +19,8 @@ CUDA caching allocator and never see this, so `train.host_allocator=auto` applie
   the heap cannot grow (or a thread's heap cannot hold a block), glibc still maps the block.
 A process's resident memory then stays near its peak between steps (and between trials in a reused Tune actor)
 instead of falling back after each one; the peak itself grew by 2 % in one measurement and 0.5-1.3 % in four
-more (t5-small MTL steps). Not glibc (macOS, musl): nothing is set.
+more (t5-small MTL steps). `give_back()` returns what is kept to the OS when a process is done with its big work
+(glibc's `malloc_trim`). Not glibc (macOS, musl): nothing is set.
 """
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def apply(host_allocator: str, use_gpu: bool) -> str:
             _reusing = not _mallopt(GLIBC_START)
         return "system"
     return "reuse" if reuse_freed_memory() else "unavailable"
+
+
+def give_back() -> bool:
+    """Return the freed memory malloc keeps to the OS: glibc's `malloc_trim(0)`, which releases every whole free
+    page of every arena whatever the trim threshold. For a process that is done with its big work and goes on to
+    something else: the benchmark keeps 11.5 GB of freed models after its in-process groups at t5-small, which
+    the ranks of its memory group then need (the kernel killed it for them). 5.5 GB took 0.4 s here. True when
+    memory was released; nothing happens without glibc."""
+    libc = glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return libc.malloc_trim(0) == 1
