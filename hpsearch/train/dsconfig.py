@@ -47,7 +47,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, stage: int | None = None, 
     sized for billion-parameter models. The reduce bucket is d_model² elements but at least the 25 MiB of gradients
     of a PyTorch DDP bucket: at d_model² (1 MiB in fp32 at t5-small) a step's gradients go out in ~230 reductions,
     each a collective call and a bucket's worth of Python, and one ZeRO-3 rank's t5-small step took 3.7 % longer
-    (README, Speed)."""
+    (docs/performance.md)."""
     t = cfg.train
     zero: dict = {"stage": t.zero_stage if isinstance(t.zero_stage, int) else (3 if stage is None else stage)}
     if hidden:
@@ -117,6 +117,6 @@ def optimizer_and_schedule(model, cfg: RunConfig):
         optimizer = torch.optim.Adafactor(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     else:
         # fused: one kernel over every tensor (CPU and CUDA). The default on CPU is a Python loop of about ten
-        # ops per tensor, 209 ms of a 2.1 s t5-small step here against 45 ms fused (README, Speed)
+        # ops per tensor, 209 ms of a 2.1 s t5-small step here against 45 ms fused (docs/performance.md)
         optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

@@ -5,7 +5,7 @@ PyTorch takes CPU tensors from malloc. glibc serves a block above its mmap thres
 more than its trim threshold (twice the mmap threshold) is free there. A train step frees and allocates its
 activations and gradients again every step, so the kernel maps and zeroes them again every step: measured here,
 102,000-128,000 minor page faults per t5-small train step (batch 32 x 64 tokens) with glibc's defaults, 46,000-63,000
-with these settings; the step's minimum 2 % faster and its median 3-7 % (README, Speed). GPU tensors come from the
+with these settings; the step's minimum 2 % faster and its median 3-7 % (docs/performance.md). GPU tensors come from the
 CUDA caching allocator and never see this, so `train.host_allocator=auto` applies it to CPU workers only.
 
 `reuse_freed_memory()` sets, through `mallopt`:

@@ -61,7 +61,7 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
     stopped run's workers are never released and the next run waits for them forever. So the dashboard's address is
     handed to every actor. A study whose trials never start a Train worker group (they train in their own actor or
     on kept ranks) starts Ray without it (Ray's dashboard process then loads only its usage-stats module and no web
-    front-end): 2 s less to start here (README, Speed)."""
+    front-end): 2 s less to start here (docs/performance.md)."""
     import ray
 
     env = runtime_env_vars(cfg)
@@ -82,7 +82,7 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
     # while the workers import) only competes with them for the cores. Nor is Ray's first-driver prestart of a Python
     # worker per CPU any use here: Ray Train's and Tune's actors never took one (with or without a runtime
     # environment), the two idle processes only took CPU from those starting. Without both, a two-worker run reached
-    # its first step 4-6 s sooner (README, Speed).
+    # its first step 4-6 s sooner (docs/performance.md).
     env.update(PRIVATE_RAY_ENV)
     where = {}
     if dashboard:
