@@ -48,7 +48,8 @@ def test_smoke_tiny_shape_json_fields():
     proc = bench("--shape", "t5-tiny", "--reps", "2", "--batch", "8x16+4", "--only", *RATIO_GROUPS, "--json")
     out = report(proc)
     # then the memory malloc keeps of the groups' freed models goes back to the OS, for the subprocess groups
-    assert "gave the freed memory back to the OS: resident " in proc.stderr, proc.stderr[-2000:]
+    gave = "gave the freed memory back to the OS" if hostmem.glibc() else "no freed memory given back"
+    assert f"{gave}: resident " in proc.stderr, proc.stderr[-2000:]
     assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
     assert out["batch"] == {"rows": 8, "source_tokens": 16, "target_tokens": 4, "batching": "task"}
     assert out["methods"] is None  # every method row
@@ -233,7 +234,7 @@ def test_study_group_tiny_shape():
     (["--methods", "lora", "--only", "deepspeed"], "--methods: selects rows of groups step, generate and flops; none"),
     (["--batch", "0x64+8"], "--batch: '0x64+8' is not ROWSxSOURCE+TARGET with positive integers"),
     # more host memory than the machine has (t5-11b: ~44 GB of weights a copy): refused before anything runs
-    (["--only", "memory", "--memory-shape", "t5-11b"], "--memory-shape: 2 ranks of t5-11b need about 27"),
+    (["--only", "memory", "--memory-shape", "t5-11b"], "--memory-shape: 2 ranks of t5-11b need about 276."),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     proc = bench(*args, timeout=120)

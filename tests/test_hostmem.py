@@ -108,7 +108,7 @@ print(json.dumps({"kept_mib": (kept - before) >> 20, "after_mib": (rss() - befor
 
 def test_give_back_returns_the_kept_memory_to_the_os():
     """What `reuse` keeps of freed tensors stays resident until `give_back()` (glibc's malloc_trim) returns it: the
-    benchmark's process kept 11.5 GB of freed models, and the kernel killed it while its memory group ran."""
+    benchmark's process kept 11 GiB of freed models, and the kernel killed it while its memory group ran."""
     kept = run(GIVE_BACK, "keep")
     assert kept["kept_mib"] >= 500 and kept["after_mib"] >= 500 and kept["gave"] is False, kept
     given = run(GIVE_BACK, "give")

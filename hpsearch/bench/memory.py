@@ -139,9 +139,11 @@ def weights_bytes(shape: str) -> int:
 
 
 def need_bytes(shape: str, world: int) -> int:
-    """Host memory the group's `world` ranks need at once, estimated: at t5-large with 2 ranks the node's memory in
-    use rose by at most 18.8 GiB, 6.8x the 2.77 GiB of weights with the ranks' imports (2026-11-27); a further
-    rank holds about 0.9x more (4 ranks at t5-base). (4.5 + world)x the weights plus each rank's imports."""
+    """Host memory the group's `world` ranks need at once, estimated: at t5-large with 2 ranks the machine's free
+    memory (MemAvailable) fell by at most 18.8 GiB while the group ran alone, 6.8x the 2.76 GiB of weights with the
+    ranks' imports (2026-11-27); a further rank holds about 0.9x more (4 ranks at t5-base). (4.5 + world)x the
+    weights plus each rank's imports: 20.0 GiB there. What psutil reports is the host's memory: a container's lower
+    limit (a Kubernetes pod's) is not seen, and a rank can still be killed there."""
     return int((4.5 + world) * weights_bytes(shape)) + world * RANK_IMPORTS
 
 
@@ -189,12 +191,12 @@ def _spawn(shape: str, run: str, tmp: Path, world: int) -> list[dict]:
 def run(shape: str, log, world: int = WORLD) -> tuple[list, dict]:
     import psutil
 
+    why = too_big(shape, world, psutil.virtual_memory().available, "available now")
+    if why:  # the kernel would kill a rank, or this process, part-way (each run's ranks exit before the next's start)
+        return [], {"memory": why}
     results = {}
     with tempfile.TemporaryDirectory(prefix="hpsearch-bench-memory-") as tmp:
         for run, (build, mode) in RUNS.items():
-            why = too_big(shape, world, psutil.virtual_memory().available, "available now")
-            if why:  # the kernel would kill a rank, or this process, part-way
-                return [], {"memory": why}
             log(f"memory: {world} ZeRO-3 ranks build ({build}), partition and export ({mode}) {shape}")
             folder = Path(tmp, run)
             folder.mkdir()

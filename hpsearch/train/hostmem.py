@@ -83,9 +83,9 @@ def apply(host_allocator: str, use_gpu: bool) -> str:
 def give_back() -> bool:
     """Return the freed memory malloc keeps to the OS: glibc's `malloc_trim(0)`, which releases every whole free
     page of every arena whatever the trim threshold. For a process that is done with its big work and goes on to
-    something else: the benchmark keeps 11.5 GB of freed models after its in-process groups at t5-small, which
-    the ranks of its memory group then need (the kernel killed it for them). 5.5 GB took 0.4 s here. True when
-    memory was released; nothing happens without glibc."""
+    something else: the benchmark kept 11.0-11.2 GiB resident after its in-process groups at t5-small, freed
+    models that the ranks of its memory group then needed (the kernel killed it for them); 0.4-0.5 GiB after this.
+    5.5 GiB took 0.4 s here. True when memory was released; nothing happens without glibc."""
     libc = glibc()
     if libc is None:
         return False
