@@ -204,6 +204,52 @@ def test_memory_group_that_does_not_fit_the_free_memory_is_not_measured(monkeypa
                                 "fewer --memory-world ranks, or --skip memory"}
 
 
+@pytest.mark.parametrize("how", ["code", "module"])
+def test_a_benchmark_killed_outright_takes_its_children_with_it(tmp_path, how):
+    """The OOM killer took a benchmark during its memory group and its two t5-large ranks ran on, holding the
+    memory. A child started as the groups start theirs (`children.command`) dies with the process that started it,
+    also when that one is SIGKILLed and runs no handler; the child gets its arguments as `python -m` would give
+    them."""
+    import time
+
+    import psutil
+
+    marker = tmp_path / "child-args.json"
+    child = f"import json, sys, time; open({str(marker)!r}, 'w').write(json.dumps(sys.argv[1:])); time.sleep(120)"
+    if how == "module":
+        (tmp_path / "sleeper.py").write_text(child)
+    parent = ("import subprocess, sys, time\n"
+              "from hpsearch.bench import children\n"
+              f"how = {how!r}\n"
+              "cmd = children.command(code=sys.argv[1], args=['a', 'b=1']) if how == 'code' else "
+              "children.command(module='sleeper', args=['a', 'b=1'])\n"
+              "p = subprocess.Popen(cmd)\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(120)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", parent, child], stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
+    pid = None
+    try:
+        pid = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text():  # the child runs its own code, past the prelude
+            assert time.monotonic() < deadline and proc.poll() is None, "the child never started"
+            time.sleep(0.05)
+        assert json.loads(marker.read_text()) == ["a", "b=1"]
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the child outlived the process that started it"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        if pid and psutil.pid_exists(pid):
+            psutil.Process(pid).kill()
+
+
 @pytest.mark.slow
 def test_study_group_tiny_shape():
     """Studies of 1 and 2 one-worker trials training in the trials' own actors (the group's code, run here without

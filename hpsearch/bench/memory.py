@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from hpsearch.bench import children
 from hpsearch.bench.timing import Figure
 
 WORLD = 2  # ranks, unless --memory-world says else
@@ -172,7 +172,7 @@ def _spawn(shape: str, run: str, tmp: Path, world: int) -> list[dict]:
         out = str(tmp / f"{rank}.json")
         build, mode = RUNS[run]
         code = f"from hpsearch.bench.memory import rank_main; rank_main({shape!r}, {build!r}, {mode!r}, {out!r})"
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+        procs.append(subprocess.Popen(children.command(code=code), env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     failures = []
     for proc in procs:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from hpsearch.bench import children
 from hpsearch.bench.timing import Figure
 from hpsearch.bench.trial import _DIST_VARS, FIXED_COST_GOAL, SMALL_DATA, TIMEOUT_S
 
@@ -43,12 +43,12 @@ def _study(shape: str, tmp: Path, name: str, trials: int, workers: int, worker_g
     env = {**{k: v for k, v in os.environ.items() if k not in _DIST_VARS}, "PYTHONWARNINGS": "ignore",
            "TOKENIZERS_PARALLELISM": "false"}
     storage = tmp / "runs"
-    cmd = [sys.executable, "-m", "hpsearch.tune", "--name", name, "--num-samples", str(trials),
+    cmd = children.command(module="hpsearch.tune", args=["--name", name, "--num-samples", str(trials),
            "--storage-path", str(storage), "--tracking-uri", f"sqlite:///{tmp}/mlflow-{name}.db",
            "--optuna-storage", f"sqlite:///{tmp}/optuna-{name}.db", f"model.backbone={shape}",
            f"budget.max_steps={STEPS}", f"budget.eval_every={STEPS}", f"budget.grace_period={STEPS}",
            f"train.log_every={STEPS}", *SMALL_DATA, f"resources.workers={workers}", "resources.max_concurrent=1",
-           f"resources.worker_group={worker_group}"]
+           f"resources.worker_group={worker_group}"])
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     wall = time.perf_counter() - start

@@ -15,13 +15,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpsearch.bench import children
 from hpsearch.bench.timing import Figure
 from hpsearch.train import startup
 
@@ -63,7 +63,9 @@ def _train(args: list[str], cwd: Path, log, env: dict | None = None, script: str
     """Run hpsearch.train (every step logged) and time it from its output; a failure raises, with its reason."""
     env = {**{k: v for k, v in os.environ.items() if k not in _DIST_VARS}, "DS_ACCELERATOR": "cpu",
            "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    cmd = [sys.executable, *(["-c", script] if script else ["-m", "hpsearch.train"]), *args, "train.log_every=1"]
+    args = [*args, "train.log_every=1"]
+    cmd = children.command(code=script, args=args) if script else \
+        children.command(module="hpsearch.train", args=args)
     start = time.perf_counter()
     steps, tail, startup_line = [], [], None
     with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
