@@ -177,6 +177,26 @@ def test_gradients_reach_every_method_parameter(name, batch):
     assert model.t5.shared.weight.grad is not None
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("name", SETUPS)
+def test_a_train_step_never_reads_a_device_value_on_the_host(name, batch, padded):
+    """Forward (with every auxiliary loss) and backward on the meta device, where every read of a tensor's values
+    on the host raises (`.item()`, `bool()` in an `if`, a boolean-mask index, `.tolist()`): on a GPU each would be a
+    device synchronisation in every micro-step. Task ids stay on the CPU, where the model checks them by design.
+    Before: PHA's instance loss branched on `anchors.any()` and indexed with the anchors; transformers' mask skip
+    read `padding_mask.all()` (twice a forward, every method)."""
+    model = make(name).train().to("meta")
+    on_meta = {k: v if k == "task_ids" else v.to("meta") for k, v in batch.items()}
+    if not padded:  # the case transformers' mask skip was for
+        on_meta["attention_mask"] = torch.ones(batch["attention_mask"].shape, dtype=torch.long, device="meta")
+    out = model(**on_meta)
+    assert out.loss.device.type == "meta" and out.loss.shape == ()
+    out.loss.backward()
+    assert all(p.grad is not None for p in method_params(model).values())
+    if name == "pha":  # its auxiliary losses are in the loss that was backpropagated
+        assert set(out.aux_losses) == {"ir_loss", "proto_loss"}
+
+
 @pytest.mark.parametrize("name", WITH_TASK_PARAMS)
 def test_train_task_params_only_freezes_the_backbone(name, batch):
     model = make(name, train_task_params_only=True).train()
@@ -702,6 +722,20 @@ def test_pha_retriever_picks_the_nearest_prototype():
     z = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
     tids = torch.tensor([0, 0, 1, 1])
     assert instance_loss(z, tids, 0.1) < 0.01 < instance_loss(z, torch.tensor([0, 1, 0, 1]), 0.1)
+    # rows without a same-task partner count for nothing, and their gradient has no NaN (an all -inf row's log-sum
+    # would give one): every row alone gives 0 and zero gradients; with tasks [0, 1, 0, 2] the mean is over rows 0, 2
+    z = z.clone().requires_grad_()
+    lone = instance_loss(z, torch.tensor([0, 1, 2, 3]), 0.1)
+    lone.backward()
+    assert lone.item() == 0.0 and torch.equal(z.grad, torch.zeros_like(z))
+    z.grad = None
+    two = instance_loss(z, torch.tensor([0, 1, 0, 2]), 0.1)  # only rows 0 and 2 are anchors
+    two.backward()
+    unit = torch.nn.functional.normalize(z.detach(), dim=-1)
+    sim = unit @ unit.T / 0.1
+    by_hand = sum(torch.logsumexp(torch.cat([sim[i, :i], sim[i, i + 1:]]), 0) - sim[i, j]
+                  for i, j in ((0, 2), (2, 0))) / 2
+    assert abs(two.item() - by_hand.item()) <= 1e-5 and torch.isfinite(z.grad).all() and z.grad[1].abs().sum() > 0
 
 
 # ---- config: which fields a method uses ----------------------------------------------------------------------

@@ -958,6 +958,32 @@ def test_window_folds_device_sums_with_the_first_non_finite_step():
     assert folded["bad_ranks"] == 0 and int(clean.first_bad) == 0 and folded["aux"] == {}
 
 
+def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path):
+    """The recipe's loop (tests/workers/host_reads.py, a one-rank run in one process): between taking a batch and
+    folding the window, its micro-steps (forward, backward, DeepSpeed's step, the window's sums) read no tensor value
+    on the host and run one collective per optimizer step only, DeepSpeed's gradient-norm reduction for clipping; each
+    log or evaluation boundary folds the window in one all-reduce and one read. On a GPU every such read is a device
+    synchronisation. Before: DeepSpeed's throughput timer synchronised the device twice every micro-step."""
+    out = tmp_path / "reads.json"
+    steps, log_every, accum = 6, 3, 2
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "workers" / "host_reads.py"), str(out),
+                          "model.backbone=t5-tiny", f"train.max_steps={steps}", f"train.log_every={log_every}",
+                          f"train.eval_every={steps}", f"train.grad_accum={accum}", "train.micro_batch_size=4",
+                          "data.batching=mixed", "data.synthetic_train_rows=60", "data.synthetic_eval_rows=8",
+                          f"train.output_dir={tmp_path / 'run'}"],
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["metrics"]["step"] == steps
+    assert report["events"].get("step") == {"collective all_reduce in deepspeed/runtime/utils.py:clip_grad_norm_":
+                                            steps}, report["events"].get("step")
+    assert report["folds"] == steps // log_every
+    assert {k.split(" in ")[0]: v for k, v in report["events"]["fold"].items()} == {
+        "collective all_reduce": report["folds"], "tolist": report["folds"]}
+    # the spies saw the model's reads too: its CPU task ids (by design) and, on this CPU, transformers' mask skip
+    assert report["task_context"] >= steps * accum and report["model"] > 0
+
+
 def test_prefetch_hands_out_the_same_batches_and_the_state_before_the_pending_one():
     import torch
 

@@ -14,7 +14,9 @@ so generation's positions, masks and T5's relative-position bias stay the tokens
 (cross-attention, unprompted sides) compute plain T5 attention, so an unprompted model equals stock T5.
 
 A mask function is registered under the same name: without it transformers hands a custom attention
-function no padding mask at all.
+function no padding mask at all. It is transformers' eager mask, except that on an accelerator the mask is always
+built: transformers skips it when no token is padded, which it finds out by reading the mask on the host
+(`padding_mask.all()`), a device synchronisation in every forward (the encoder's mask and the cross-attention's).
 """
 from __future__ import annotations
 
@@ -159,7 +161,14 @@ def prompt_cache(t5) -> EncoderDecoderCache | None:
 
 
 AttentionInterface.register(ATTN_NAME, prompted_attention)
-AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+def prompted_mask(*args, attention_mask=None, allow_is_bidirectional_skip: bool = False, **kwargs):
+    """transformers' eager mask; its skip of an all-unpadded bidirectional mask only where testing for it needs no
+    device synchronisation (CPU tensors). Otherwise the mask is built: the same additive bias, all zeros."""
+    skip = allow_is_bidirectional_skip and (attention_mask is None or attention_mask.device.type == "cpu")
+    return eager_mask(*args, attention_mask=attention_mask, allow_is_bidirectional_skip=skip, **kwargs)
+
+
+AttentionMaskInterface.register(ATTN_NAME, prompted_mask)
 
 
 def self_attention_modules(t5) -> dict[tuple[str, int], torch.nn.Module]:

@@ -56,12 +56,15 @@ def instance_loss(z: torch.Tensor, task_ids: torch.Tensor, temperature: float) -
     eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
     sim = sim.masked_fill(eye, float("-inf"))
     positive = (task_ids[:, None] == task_ids[None, :]) & ~eye
-    anchors = positive.any(1)
-    if not anchors.any():
-        return z.sum() * 0.0  # no row has a same-task partner: nothing to pull together (keeps the graph)
+    anchors = positive.any(1)  # the rows with a same-task partner; the mean is over them (0 when there is none)
+    # without a branch on the device's values (no host synchronisation): a row with no partner is all zeros and all
+    # "positive", so its two log-sums are equal and finite (an all -inf row would give NaN gradients) and count 0
+    lone = ~anchors[:, None]
+    sim = sim.masked_fill(lone, 0.0)
     log_all = torch.logsumexp(sim, dim=1)
-    log_pos = torch.logsumexp(sim.masked_fill(~positive, float("-inf")), dim=1)
-    return (log_all - log_pos)[anchors].mean()
+    log_pos = torch.logsumexp(sim.masked_fill(~(positive | lone), float("-inf")), dim=1)
+    weight = anchors.to(sim.dtype)
+    return ((log_all - log_pos) * weight).sum() / weight.sum().clamp_min(1.0)
 
 
 def prototype_loss(z: torch.Tensor, prototypes: torch.Tensor, task_ids: torch.Tensor,

@@ -69,6 +69,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int, stage: int | None = None, 
         "fp16": {"enabled": t.precision == "fp16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronises the device as each forward starts and each step
+        # ends, to time them for a samples/s line the recipe never prints: two synchronisations every micro-step
+        "timers": {"throughput": {"enabled": False}},
         "zero_allow_untested_optimizer": True,  # torch AdamW: no fused-Adam op build, works on CPU and GPU
         "zero_force_ds_cpu_optimizer": False,    # ...also with ZeRO-Offload (optimizer step on CPU in torch)
     }
