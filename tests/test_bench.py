@@ -145,7 +145,13 @@ def test_checkpoint_group_tiny_shape():
     assert 0 < figures["checkpoint/best_size"]["value"] <= 1.0 and figures["checkpoint/best_copied"]["value"] == 0
     assert figures["checkpoint/export_size"]["value"] == 1.0  # each tensor once, T5's tied embeddings too
     parts = figures["checkpoint/written_per_eval"]["parts"]
-    assert parts["evaluations"] == 2 and 1 <= parts["best_improved"] <= 2 and parts["weights_bytes"] > 0
+    evaluations, improved = parts["evaluations"], parts["best_improved"]
+    assert evaluations == 2 and 1 <= improved <= 2 and parts["weights_bytes"] > 0
+    # every byte written once: each resumable checkpoint's state (fp32 weights and AdamW's two moments, 3x; the last
+    # evaluation keeps the run's result only) and the best weights at each improvement, plus headers and small files
+    # (a --local checkpoint written in a temporary folder and then copied into checkpoints/ made it 3x more)
+    written = parts["bytes_per_eval"] * evaluations / parts["weights_bytes"]
+    assert 3 * (evaluations - 1) + improved <= written <= 3 * (evaluations - 1) + improved + 0.1, written
     assert figures["checkpoint/written_per_eval"]["value"] == pytest.approx(
         parts["bytes_per_eval"] / parts["weights_bytes"])
 

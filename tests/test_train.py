@@ -456,9 +456,15 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     again = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/again",
                                  "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_40")))
     assert again == full and again["test_score"] is not None  # exports stay where the run wrote them
+    # the same, into the run's own folder: its last checkpoint is the one reported, and stays (it was deleted
+    # before it could be copied onto itself, and the run failed)
+    last = tmp_path / "full" / "checkpoints" / "step_40"
+    files = sorted(p.name for p in last.iterdir())
+    in_place = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/full", "--resume-from", str(last)))
+    assert in_place == full and sorted(p.name for p in last.iterdir()) == files
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["best", "step_20", "step_40"]
     # resumed from a downloaded copy of it (a study in a bucket) and stopped by ASHA inside that report (Tune's
     # SystemExit): the copy is removed all the same
-    last = tmp_path / "full" / "checkpoints" / "step_40"
     stopped = subprocess.run([sys.executable, "-c", STOPPED_IN_REPORT, str(last), str(tmp_path / "copy"), *FAST,
                               f"train.output_dir={tmp_path}/stopped"],
                              capture_output=True, text=True, timeout=300,

@@ -7,7 +7,9 @@ trial: wall time of a trial at two step counts (one evaluation each, at the end)
     start-up line (hpsearch/train/startup.py) splits the start-up into its phases.
 checkpoint: one `--local` run evaluating after each of 2 steps; bytes the process wrote (`wchar` of
     /proc/self/io, read at exit) minus its final outputs (export, metrics), per evaluation, over the bytes of
-    the model's weights (each parameter once); plus what the best weights, checkpoints/ and the export keep on disk.
+    the model's weights (each parameter once): the first evaluation's resumable state (3x) and the best weights at
+    each improvement (1x), each written once (the last evaluation keeps the run's result only); plus what the best
+    weights, checkpoints/ and the export keep on disk.
 """
 from __future__ import annotations
 

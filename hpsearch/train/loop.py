@@ -6,7 +6,6 @@ import inspect
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -222,7 +221,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                     checkpoints.save_best(engine, rank, filesystem, best["weights"])
                 metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
                 final = metrics
-                with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as ckpt:
+                with session.staging() as ckpt:  # beside where the session keeps it: stored by a rename
                     if step < cfg.train.max_steps:
                         engine.save_checkpoint(ckpt, tag="state", client_state={
                             "sampler": batches.state(), "step": step, "best": best, "rng": checkpoints.rng_state()})

@@ -5,11 +5,51 @@ once when validation improves, see checkpoints.save_best); every checkpoint refe
 `best.json`), and `prune_best` removes the versions no kept checkpoint refers to."""
 from __future__ import annotations
 
+import contextlib
 import shutil
+import tempfile
 from pathlib import Path
 
 from hpsearch.config import RunConfig
 from hpsearch.train import checkpoints
+
+STAGING = ".staging"
+
+
+@contextlib.contextmanager
+def staged(root: str | Path | None, rank: int):
+    """The folder a rank writes a checkpoint into before it reports it. Under `root`, the folder its session keeps
+    checkpoints in (on the same file system), so storing it there is a rename, not a second write of every byte:
+    `<root>/.staging/rank_<r>`, emptied first of what an attempt killed while writing left, and removed after (with
+    `.staging` once no rank's folder is left in it).
+    `root` None (Ray Train uploads the checkpoint, or a bucket keeps it): a temporary folder."""
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix="hpsearch-ckpt-") as folder:
+            yield folder
+        return
+    folder = Path(root) / STAGING / f"rank_{rank}"
+    shutil.rmtree(folder, ignore_errors=True)
+    for attempt in range(3):  # another rank may remove the empty .staging between our two mkdirs
+        try:
+            folder.mkdir(parents=True)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    try:
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the last rank out removes .staging (another's folder keeps it)
+            folder.parent.rmdir()
+
+
+def move_into(source: Path, target: Path) -> None:
+    """Every file and folder of `source` into `target` (created), renamed where both are on one file system; files
+    named manifest_* last (a checkpoint is complete once its manifests are there)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for child in sorted(source.iterdir(), key=lambda p: p.name.startswith("manifest_")):
+        shutil.move(str(child), str(target / child.name))
 
 
 class LocalSession:
@@ -23,6 +63,10 @@ class LocalSession:
 
     rank, world_size, local_rank, local_world_size, node_rank, nodes = 0, 1, 0, 1, 0, 1
     unregistered = False  # the checkpoint it resumes from is the user's folder
+
+    def staging(self):
+        """Where the loop writes a checkpoint: beside the kept ones (see `staged`)."""
+        return staged(self.dir, self.rank)
 
     def get_checkpoint_dir(self) -> str | None:
         return self.resume_from
@@ -43,9 +87,13 @@ class LocalSession:
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         if checkpoint_dir:
-            target = self.dir / f"step_{metrics['step']}"
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(checkpoint_dir, target)
+            source, target = Path(checkpoint_dir).resolve(), (self.dir / f"step_{metrics['step']}").resolve()
+            if source != target:
+                shutil.rmtree(target, ignore_errors=True)
+                if source.parent == (self.dir / STAGING).resolve():  # written for this report: moved, not rewritten
+                    move_into(source, target)
+                else:  # the user's folder (the finished run this one resumed from, reported again): copied
+                    shutil.copytree(source, target)
             metrics = {**metrics, "checkpoint": str(target)}
             steps = sorted(int(p.name.split("_", 1)[1]) for p in self.dir.glob("step_*") if p.name[5:].isdigit())
             for old in steps[:-self.keep]:  # the newest `train.keep_checkpoints` stay
@@ -76,6 +124,10 @@ class RaySession:
             self._ckpt = ray.train.Checkpoint(newest[1], filesystem=storage.storage_filesystem)
         self._resume_from = resume_from
         self._resume_dir = None
+
+    def staging(self):
+        """A temporary folder: Ray Train uploads the checkpoint to the run's storage."""
+        return staged(None, self.rank)
 
     def get_checkpoint_dir(self) -> str | None:
         if self._ckpt is None:

@@ -60,6 +60,12 @@ class TuneSession:
                                                                         ray.tune.get_checkpoint())
         self._resume_dir = None
 
+    def staging(self):
+        """Where the loop writes a checkpoint: in this trial's folder when it is local (stored by a rename), else a
+        temporary folder (uploaded)."""
+        from hpsearch.train.sessions import staged
+        return staged(self.path if self.local else None, self.rank)
+
     def get_checkpoint_dir(self) -> str | None:
         if self._newest is None:
             return None
@@ -101,11 +107,10 @@ class TuneSession:
         from pyarrow import fs
         if checkpoints.complete_step(self.fs, target, 1) is not None:  # the checkpoint it resumed from, again
             return
-        if self.local:  # moved, not copied: written once
+        if self.local:  # moved (renamed: it was written in this folder's staging area), not copied
+            from hpsearch.train.sessions import move_into
             shutil.rmtree(target, ignore_errors=True)  # a part of one an earlier attempt left (killed while storing)
-            Path(target).mkdir(parents=True)
-            for child in sorted(source.iterdir(), key=lambda p: p.name.startswith("manifest_")):  # manifest last
-                shutil.move(str(child), str(Path(target) / child.name))
+            move_into(source, Path(target))
             return
         self.fs.delete_dir_contents(target, missing_dir_ok=True)
         fs.copy_files(str(source), target, source_filesystem=fs.LocalFileSystem(), destination_filesystem=self.fs,
