@@ -376,22 +376,51 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_imports_as_ever_after()
 
 @pytest.mark.slow
 def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():
-    """A run killed while torch held `<build dir>/lock` leaves the file; DeepSpeed alone then waits forever."""
+    """A run killed while torch held `<build dir>/lock` leaves the file; DeepSpeed alone then waits forever. The
+    lock an hpsearch process left (its marker beside it) is removed at once; another program's is waited for (it
+    removes its own: removing it under that program made its release fail), and removed only when it is old."""
+    import time
+
     from torch.utils.cpp_extension import _get_build_directory
 
-    from hpsearch.train.ops import SHM_COMM, load_ops
+    from hpsearch.train import ops
+    from hpsearch.train.ops import OWNER, SHM_COMM, load_ops
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     assert load_ops([SHM_COMM]) == [SHM_COMM]  # built (the first time on this machine: ~1 min) and loaded
-    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
-    lock.touch()  # what the killed process left
+    build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    lock, owner = build / "lock", build / OWNER
+    assert not owner.exists()  # removed by the load that wrote it
     code = ("from hpsearch.train.ops import load_ops, SHM_COMM; import deepspeed; load_ops([SHM_COMM]); "
             "deepspeed.init_distributed('gloo')")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    lock.touch()  # what a killed hpsearch process left: the lock and its marker
+    owner.write_text("999999")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not lock.exists()
+    assert not lock.exists() and not owner.exists() and "waiting for another program" not in proc.stderr
+    # another program loading the op: the run waits, leaves its lock alone, and goes on once that program is done
+    lock.touch()
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        while line and "waiting for another program" not in line:
+            line = proc.stderr.readline()
+        assert "waiting for another program loading deepspeed_shm_comm" in line, line
+        time.sleep(1.0)
+        assert lock.exists() and proc.poll() is None  # still that program's
+        lock.unlink()  # its load is done
+        assert proc.wait(timeout=180) == 0, proc.stderr.read()[-2000:]
+    finally:
+        proc.kill()
+        lock.unlink(missing_ok=True)
+    # one that program left when it was killed, long ago: removed, with a line saying so
+    lock.touch()
+    os.utime(lock, (time.time() - ops.FOREIGN_LOCK_S - 5,) * 2)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0 and not lock.exists(), proc.stderr[-2000:]
+    assert "minutes old, left by a program that was killed" in proc.stderr
 
 
 @pytest.mark.slow

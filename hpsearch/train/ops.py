@@ -10,8 +10,12 @@ hangs in `FileBaton.wait`.
 `load_ops` loads the ops this run needs before DeepSpeed asks for them, under an `flock` on
 `<build dir>/hpsearch.flock` that the kernel releases when its holder dies. Every hpsearch process takes that flock
 before it touches the build directory, and DeepSpeed's own later loads are served from its in-process cache
-(`OpBuilder._loaded_ops`) without touching the directory, so a `lock` file found while holding the flock was left by
-a dead process and is removed.
+(`OpBuilder._loaded_ops`) without touching the directory. While it loads, the process also keeps a marker file
+(`hpsearch.owner`), removed before the flock is released: a marker found while holding the flock means an hpsearch
+process died while loading, and the `lock` beside it is stale and removed. A `lock` without the marker belongs to
+another program loading the op (torch or DeepSpeed used directly), which removes it when done: the process says so
+and waits for it, and removes it only once it is 10 minutes old (a build takes about 45 s), as one a killed program
+left.
 
 Every build runs the `ninja` installed with DeepSpeed (the `ninja` package), whatever `PATH` finds first. A
 machine often has two (the system's 1.11 and the package's 1.13 here), their build logs hash commands differently,
@@ -25,6 +29,7 @@ import contextlib
 import fcntl
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +37,8 @@ SHM_COMM = "ShareMemCommBuilder"  # deepspeed.comm's CPU all-reduce, built by in
 # the JIT ops a run loads (those its accelerator lacks are skipped): the comm op only. An offloaded optimizer is
 # torch's AdamW or Adafactor, not DeepSpeedCPUAdam, so its op (40 s to compile on a new install here) is never built
 RUN_OPS = (SHM_COMM,)
+OWNER = "hpsearch.owner"  # an hpsearch process is loading (it holds the flock) or died loading (the flock is free)
+FOREIGN_LOCK_S = 600.0  # another program's `lock` this old is taken for one a killed program left
 
 
 def import_deepspeed():
@@ -67,14 +74,42 @@ def load_ops(names: Sequence[str] = RUN_OPS) -> list[str]:
         with open(build_dir / "hpsearch.flock", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
             try:
-                (build_dir / "lock").unlink(missing_ok=True)  # no live hpsearch process holds it: stale
+                _clear_stale_lock(build_dir)
+                (build_dir / OWNER).write_text(str(os.getpid()))
                 _ninja_of_this_environment()
                 with contextlib.redirect_stdout(sys.stderr):  # the builder prints; stdout is a run's result
                     builder.load(verbose=False)
             finally:
+                (build_dir / OWNER).unlink(missing_ok=True)
                 fcntl.flock(guard, fcntl.LOCK_UN)
         loaded.append(name)
     return loaded
+
+
+def _clear_stale_lock(build_dir: Path, poll_s: float = 0.5) -> None:
+    """With the flock held: remove torch's `lock` if an hpsearch process left it (its marker is there); wait for
+    another program's to go, removing it once it is `FOREIGN_LOCK_S` old."""
+    lock, owner = build_dir / "lock", build_dir / OWNER
+    if owner.exists():  # its writer held this flock, and died: nothing is loading
+        lock.unlink(missing_ok=True)
+        owner.unlink(missing_ok=True)
+        return
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= FOREIGN_LOCK_S:
+            print(f"[hpsearch] removing {lock}: {age / 60:.0f} minutes old, left by a program that was killed while "
+                  "it loaded the op", file=sys.stderr, flush=True)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            print(f"[hpsearch] waiting for another program loading {build_dir.name} ({lock} exists; removed "
+                  f"once it is {FOREIGN_LOCK_S / 60:.0f} minutes old)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll_s)
 
 
 def _ninja_of_this_environment() -> None:
