@@ -5,7 +5,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -297,7 +296,6 @@ def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, me
     else:
         args = ["--from-study", "nope"]
     spec = write(tmp_path, text)
-    started = time.time()
     out = subprocess.run(compare_cmd(tmp_path, "--spec", str(spec), *args), cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -305,7 +303,6 @@ def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, me
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "ray" not in out.stdout.lower()
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()  # nothing started
-    assert time.time() - started < 120
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------

@@ -299,3 +299,53 @@ def test_a_bad_token_cache_budget_is_named(value):
 
     with pytest.raises(ConfigError, match=r"data\.token_cache_mb: .*; expected a number of megabytes >= 0"):
         DataConfig(token_cache_mb=value).validate()
+
+
+
+def test_evaluation_batches_rows_shortest_first_and_never_tokenizes_again(tmp_path):
+    """`Evaluator.evaluate` (the recipe's validation and test scoring) sorts each task's rows by source length, so
+    a batch's rows have similar lengths, and collates them from the ids tokenized once: a second evaluation calls
+    the tokenizer not at all. A model that answers each row with its own target scores 100 on every task: the
+    predictions reach their rows through the sort."""
+    from types import SimpleNamespace
+
+    from hpsearch.config import load_config
+    from hpsearch.data.tokens import TokenizedSuite
+    from hpsearch.train.evaluate import Evaluator
+
+    data = DataConfig(max_train_rows=20, max_eval_rows=40, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(data)
+    tokenizer = Counting(get_tokenizer("t5-tiny", data, suite, 8192))
+    tokens = TokenizedSuite(suite, tokenizer, data)
+    answers = {}  # source ids -> target ids, over every task's validation rows
+    for task in suite.tasks:
+        for src, tgt in zip(*tokens.ids(task, "validation")):
+            answers[tuple(src)] = tgt
+    calls = tokenizer.calls
+    batches: list[tuple[int, list[int]]] = []  # (task, each row's source length)
+
+    class Oracle:  # a model that generates each row's target
+        def eval(self):
+            pass
+
+        train = freeze_prompts = eval
+
+        def generate(self, input_ids, attention_mask, task_ids, **kwargs):
+            rows = [input_ids[i][attention_mask[i].bool()].tolist() for i in range(len(input_ids))]
+            batches.append((int(task_ids[0]), [len(r) for r in rows]))
+            out = torch.zeros(len(rows), 1 + max(len(answers[tuple(r)]) for r in rows), dtype=torch.long)
+            for i, r in enumerate(rows):  # after the decoder's start token (pad), as generate returns them
+                out[i, 1:1 + len(answers[tuple(r)])] = torch.tensor(answers[tuple(r)])
+            return out
+
+    cfg = load_config(None, ["train.eval_batch_size=4"])
+    evaluator = Evaluator(SimpleNamespace(module=Oracle()), suite, tokens, cfg, 0, 1, torch.device("cpu"))
+    for _ in range(2):
+        batches.clear()
+        metrics = evaluator.evaluate("validation")
+        assert metrics["score"] == 100.0 and all(metrics[f"task/{t}/score"] == 100.0 for t in suite.tasks)
+        for t in range(len(suite.tasks)):
+            mine = [n for task, lengths in batches if task == t for n in lengths]
+            assert len(mine) == len(suite.split(suite.tasks[t], "validation")) and mine == sorted(mine), mine
+        assert len({n for _, lengths in batches for n in lengths}) > 3  # rows of several lengths to sort
+    assert tokenizer.calls == calls  # every batch collated from the stored ids

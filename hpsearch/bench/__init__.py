@@ -13,8 +13,9 @@ Groups (all by default; `--only` / `--skip` select):
     checkpoint  bytes a `--local` run writes per evaluation, and what the best weights and checkpoints keep
     trial       fixed cost of a trial: `python -m hpsearch.train` at two step counts, with Ray and --local
                 (subprocesses, a few minutes even at t5-tiny: `--skip trial` for a quick look)
-    study       fixed cost of a trial inside a study (`python -m hpsearch.tune`, one worker): studies of 1 and 3
-                trials, trials in their own Tune actor and, for contrast, each with Ray Train's worker group
+    study       fixed cost of a trial inside a study (`python -m hpsearch.tune`): studies of 1 and 3 trials, one-
+                worker trials in their own Tune actor and two-worker trials on the ranks it keeps, and for contrast
+                the same trials each launching Ray Train's worker group
     memory      peak host memory of `--memory-world` (2) ZeRO-3 ranks building (the recipe's zero.Init build, and
                 the whole model on every rank for contrast), initialising DeepSpeed and exporting `--memory-shape`
                 (default t5-large: ~15 GB of RAM at its peak, a few minutes)
