@@ -856,12 +856,16 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     base_proc = run_train(*args, "train.output_dir=a", cwd=tmp_path, env={"RAY_TMPDIR": ray_dir})
     base = final_json(base_proc)  # output_dir relative: this directory's
     # the private Ray started no process the run does not use: no idle Python worker per CPU started for the first
-    # driver (job id ffffffff), no preemption watcher (one machine); its Train workers' logs are where this looks
+    # driver (job id ffffffff), no preemption watcher (one machine), no Ray Data dataset manager (no datasets), no
+    # placement-group cleaner and so no dashboard (the Ray ends with the run); its Train workers' logs are where
+    # this looks
     logs = list(Path(ray_dir).glob("ray/session_latest/logs/worker-*.out"))
     actors = [f.read_text().partition(":actor_name:")[2].split("\n")[0] for f in logs]
+    heads = [f.name for f in Path(ray_dir).glob("ray/session_latest/logs/dashboard_*Head.log")]
     shutil.rmtree(ray_dir, ignore_errors=True)
     assert actors.count("RayTrainWorker") == 2 and "TrainController" in actors, actors
-    assert "PreemptionWatcher" not in actors, actors
+    assert not {"PreemptionWatcher", "DatasetManager", "PlacementGroupCleaner"} & set(actors), actors
+    assert not heads, heads
     assert not [f.name for f in logs if "-ffffffff-" in f.name], [f.name for f in logs]
     assert base["output_dir"] == str(tmp_path / "a")
     phases = startup.parse(base_proc.stdout)  # the driver's phases, then the worker's (rank 0 prints them)

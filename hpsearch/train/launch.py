@@ -61,7 +61,8 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
     stopped run's workers are never released and the next run waits for them forever. So the dashboard's address is
     handed to every actor. A study whose trials never start a Train worker group (they train in their own actor or
     on kept ranks) starts Ray without it (Ray's dashboard process then loads only its usage-stats module and no web
-    front-end): 2 s less to start here (docs/performance.md)."""
+    front-end): 2 s less to start here (docs/performance.md); so does a standalone run on a private Ray of its own,
+    whose trainer has no cleaner (`_trainer_class`)."""
     import ray
 
     env = runtime_env_vars(cfg)
@@ -129,9 +130,36 @@ def loop_config(cfg: RunConfig, *, resume_from: str | None = None, system_metric
             "startup": startup or {}}
 
 
+def _trainer_class(own_ray: bool):
+    """Ray Train V2's `DataParallelTrainer` (TorchTrainer's base), less two helpers that each start an actor process
+    when the run would not use them. Ray Data's `DatasetManager`: started for every run, datasets or none (this
+    recipe passes none: its ranks read their own batches). Ray Train's `PlacementGroupCleaner` (a detached actor that
+    removes the run's placement group should its controller die, asking the dashboard's State API whether it lives)
+    when `own_ray`: the Ray this process started for this one run ends with it, so nothing outlives the controller,
+    and without the cleaner nothing needs the dashboard. On this 2-core box the two processes started as the workers
+    imported torch; without them (and the dashboard) a standalone two-worker run reached its first step 1.2-3.3 s
+    sooner (docs/performance.md). Another Ray without these names: its trainer as it is."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    try:
+        from ray.train.v2._internal.callbacks import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return DataParallelTrainer
+
+    class Trainer(DataParallelTrainer):
+        def _create_default_callbacks(self):
+            def unused(callback) -> bool:
+                return (isinstance(callback, DatasetsCallback) and not self.datasets) or \
+                    (own_ray and isinstance(callback, PlacementGroupCleanerCallback))
+            return [c for c in super()._create_default_callbacks() if not unused(c)]
+
+    return Trainer
+
+
 def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(), resume_from: str | None = None,
                   system_metrics: dict | None = None, objective: str | None = None, options: dict | None = None,
-                  storage_filesystem=None, export_to: tuple | None = None, startup: dict | None = None):
+                  storage_filesystem=None, export_to: tuple | None = None, startup: dict | None = None,
+                  own_ray: bool = False):
     """A Ray Train V2 trainer running `train_loop` on `train.num_workers` DeepSpeed ranks: TorchTrainer's base class
     with Ray Train's torch backend defined without importing torch (torchconfig.py). `resume_from`: a checkpoint
     folder the loop starts from when Ray has none of its own (Train V2 has no `resume_from_checkpoint`).
@@ -139,9 +167,9 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     what the loop trains on ("module:Class" and its options; default the suite's fine-tuning, see objective.py).
     `storage_filesystem`: a pyarrow filesystem `storage_path` is in (a bucket); `export_to`: (path, filesystem)
     rank 0 copies the run's exports to when it finishes (a study in a bucket). `startup`: the caller's start-up
-    marks (startup.py); `fit` is added when this is built."""
+    marks (startup.py); `fit` is added when this is built. `own_ray`: the caller started a private Ray for this run
+    alone, which ends with it (see `_trainer_class`)."""
     import ray.train
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # TorchTrainer's base: no torch here
 
     from hpsearch.train.torchconfig import BoundTorchConfig
 
@@ -151,7 +179,7 @@ def build_trainer(cfg: RunConfig, *, name: str, storage_path: str, callbacks=(),
     # by reference (module hpsearch.train.launch), also when the command runs as __main__
     loop = importlib.import_module("hpsearch.train.launch")._ray_train_loop
     _start_autoscaling_coordinator()
-    return DataParallelTrainer(
+    return _trainer_class(own_ray)(  # TorchTrainer's base: no torch here
         loop,
         train_loop_config=loop_config(cfg, resume_from=resume_from, system_metrics=system_metrics,
                                       objective=objective, options=options, export_to=export_to,
@@ -195,13 +223,14 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None, *, objective: str | No
     from hpsearch.train.startup import process_start
     marks = {"process": process_start(), "ray": time.time()}
     started = not ray.is_initialized()
+    own = started and not os.environ.get("RAY_ADDRESS")  # a private Ray for this run alone: no dashboard needed
     if started:
-        init_ray(cfg)
+        init_ray(cfg, dashboard=not own)
     marks["ray_up"] = time.time()
     storage = str(Path(cfg.train.output_dir, "ray").resolve())
     name = time.strftime("train-%Y%m%d-%H%M%S")  # a new Ray Train run (a same-named one would auto-resume)
     trainer = build_trainer(cfg, name=name, storage_path=storage, resume_from=resume_from, objective=objective,
-                            options=options, callbacks=callbacks, startup=marks)
+                            options=options, callbacks=callbacks, startup=marks, own_ray=own)
     try:
         result = trainer.fit()
     except Exception as e:  # Ray wraps a worker's error; surface its reason in one line
