@@ -376,51 +376,46 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_imports_as_ever_after()
 
 @pytest.mark.slow
 def test_a_stale_extension_lock_left_by_a_killed_run_does_not_hang_the_next():
-    """A run killed while torch held `<build dir>/lock` leaves the file; DeepSpeed alone then waits forever. The
-    lock an hpsearch process left (its marker beside it) is removed at once; another program's is waited for (it
-    removes its own: removing it under that program made its release fail), and removed only when it is old."""
+    """A run killed while torch held `<build dir>/lock` leaves the file; DeepSpeed alone then waits forever. A lock
+    no process has open is removed at once; one a live process holds (another program loading the op) is waited
+    for, and left to that program, whose release then works (removing it under that program made its release
+    fail)."""
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.file_baton import FileBaton
 
-    from hpsearch.train import ops
-    from hpsearch.train.ops import OWNER, SHM_COMM, load_ops
+    from hpsearch.train.ops import SHM_COMM, holders, load_ops
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     assert load_ops([SHM_COMM]) == [SHM_COMM]  # built (the first time on this machine: ~1 min) and loaded
-    build = Path(_get_build_directory("deepspeed_shm_comm", verbose=False))
-    lock, owner = build / "lock", build / OWNER
-    assert not owner.exists()  # removed by the load that wrote it
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
     code = ("from hpsearch.train.ops import load_ops, SHM_COMM; import deepspeed; load_ops([SHM_COMM]); "
             "deepspeed.init_distributed('gloo')")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    lock.touch()  # what a killed hpsearch process left: the lock and its marker
-    owner.write_text("999999")
+    lock.touch()  # what the killed process left: the file, open in no process
+    assert holders(lock) == []
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert not lock.exists() and not owner.exists() and "waiting for another program" not in proc.stderr
-    # another program loading the op: the run waits, leaves its lock alone, and goes on once that program is done
-    lock.touch()
+    assert not lock.exists() and "waiting for process" not in proc.stderr
+    # another program loading the op (here this process, through torch's own baton): the run waits and leaves the
+    # lock alone; once that program releases it, the run goes on
+    baton = FileBaton(str(lock))
+    assert baton.try_acquire() and holders(lock) == [os.getpid()]
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()
-        while line and "waiting for another program" not in line:
+        while line and "waiting for process" not in line:
             line = proc.stderr.readline()
-        assert "waiting for another program loading deepspeed_shm_comm" in line, line
+        assert f"waiting for process {os.getpid()}, which is loading deepspeed_shm_comm" in line, line
         time.sleep(1.0)
         assert lock.exists() and proc.poll() is None  # still that program's
-        lock.unlink()  # its load is done
+        baton.release()  # raised FileNotFoundError when the run had removed the lock
         assert proc.wait(timeout=180) == 0, proc.stderr.read()[-2000:]
     finally:
         proc.kill()
         lock.unlink(missing_ok=True)
-    # one that program left when it was killed, long ago: removed, with a line saying so
-    lock.touch()
-    os.utime(lock, (time.time() - ops.FOREIGN_LOCK_S - 5,) * 2)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0 and not lock.exists(), proc.stderr[-2000:]
-    assert "minutes old, left by a program that was killed" in proc.stderr
 
 
 @pytest.mark.slow
@@ -995,6 +990,39 @@ def test_window_folds_device_sums_with_the_first_non_finite_step():
     folded = clean.fold()
     assert folded["eval_loss"] == folded["log_loss"] == (2 + 4) / 2 + (3 + 5) / 2  # per-step means, summed
     assert folded["bad_ranks"] == 0 and int(clean.first_bad) == 0 and folded["aux"] == {}
+
+
+def test_a_local_checkpoint_is_moved_from_its_staging_folder_and_a_users_folder_is_copied(tmp_path):
+    """`--local`'s session stores the checkpoint the loop wrote in its staging folder by moving it (a rename: the
+    bytes are written once), copies a folder of the user's (the finished run it resumed from, reported again), leaves
+    it alone when it is the very folder it would store it in, and replaces a link of the user's there without
+    touching what the link points to."""
+    from hpsearch.config import load_config
+    from hpsearch.train.sessions import STAGING, LocalSession
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}"])
+    session = LocalSession(cfg, None)
+    with session.staging() as folder:
+        assert Path(folder).parent == tmp_path / "run" / "checkpoints" / STAGING
+        (Path(folder) / "state").mkdir()
+        (Path(folder) / "state" / "weights").write_bytes(b"w" * 100)
+        inode = (Path(folder) / "state" / "weights").stat().st_ino
+        session.report({"step": 1}, folder)
+        assert not any(Path(folder).iterdir())  # moved out
+    stored = tmp_path / "run" / "checkpoints" / "step_1" / "state" / "weights"
+    assert stored.read_bytes() == b"w" * 100 and stored.stat().st_ino == inode  # renamed, not written again
+    assert not (tmp_path / "run" / "checkpoints" / STAGING).exists()  # removed once empty
+    users = tmp_path / "theirs"
+    users.mkdir()
+    (users / "report.json").write_text("{}")
+    session.report({"step": 2}, str(users))
+    assert (users / "report.json").is_file() and (tmp_path / "run" / "checkpoints" / "step_2" / "report.json").is_file()
+    session.report({"step": 2}, str(tmp_path / "run" / "checkpoints" / "step_2"))  # the folder itself: kept
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "report.json").is_file()
+    (tmp_path / "run" / "checkpoints" / "step_3").symlink_to(users, target_is_directory=True)
+    session.report({"step": 3}, str(tmp_path / "run" / "checkpoints" / "step_2"))
+    assert (users / "report.json").is_file() and not (tmp_path / "run" / "checkpoints" / "step_3").is_symlink()
+    assert [h["step"] for h in session.history] == [1, 2, 2, 3]
 
 
 def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path):

@@ -130,6 +130,16 @@ def loop_config(cfg: RunConfig, *, resume_from: str | None = None, system_metric
             "startup": startup or {}}
 
 
+def _lean_callbacks():
+    """Ray Train's callback classes `_trainer_class` leaves out, or None when this Ray has no such names."""
+    try:
+        from ray.train.v2._internal.callbacks import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return None
+    return DatasetsCallback, PlacementGroupCleanerCallback
+
+
 def _trainer_class(own_ray: bool):
     """Ray Train V2's `DataParallelTrainer` (TorchTrainer's base), less two helpers that each start an actor process
     when the run would not use them. Ray Data's `DatasetManager`: started for every run, datasets or none (this
@@ -140,11 +150,9 @@ def _trainer_class(own_ray: bool):
     imported torch; without them (and the dashboard) a standalone two-worker run reached its first step 1.2-3.3 s
     sooner (docs/performance.md). Another Ray without these names: its trainer as it is."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-    try:
-        from ray.train.v2._internal.callbacks import DatasetsCallback
-        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    except ImportError:
+    if _lean_callbacks() is None:
         return DataParallelTrainer
+    DatasetsCallback, PlacementGroupCleanerCallback = _lean_callbacks()
 
     class Trainer(DataParallelTrainer):
         def _create_default_callbacks(self):
@@ -223,7 +231,9 @@ def run_with_ray(cfg: RunConfig, resume_from: str | None, *, objective: str | No
     from hpsearch.train.startup import process_start
     marks = {"process": process_start(), "ray": time.time()}
     started = not ray.is_initialized()
-    own = started and not os.environ.get("RAY_ADDRESS")  # a private Ray for this run alone: no dashboard needed
+    # a private Ray for this run alone: no placement-group cleaner, so no dashboard (as long as this Ray Train has
+    # the cleaner's name to leave it out by)
+    own = started and not os.environ.get("RAY_ADDRESS") and _lean_callbacks() is not None
     if started:
         init_ray(cfg, dashboard=not own)
     marks["ray_up"] = time.time()

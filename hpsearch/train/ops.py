@@ -10,12 +10,11 @@ hangs in `FileBaton.wait`.
 `load_ops` loads the ops this run needs before DeepSpeed asks for them, under an `flock` on
 `<build dir>/hpsearch.flock` that the kernel releases when its holder dies. Every hpsearch process takes that flock
 before it touches the build directory, and DeepSpeed's own later loads are served from its in-process cache
-(`OpBuilder._loaded_ops`) without touching the directory. While it loads, the process also keeps a marker file
-(`hpsearch.owner`), removed before the flock is released: a marker found while holding the flock means an hpsearch
-process died while loading, and the `lock` beside it is stale and removed. A `lock` without the marker belongs to
-another program loading the op (torch or DeepSpeed used directly), which removes it when done: the process says so
-and waits for it, and removes it only once it is 10 minutes old (a build takes about 45 s), as one a killed program
-left.
+(`OpBuilder._loaded_ops`) without touching the directory (so does `load_ops` itself in a process that loaded the op
+already: a reused trial actor, a kept rank). A `lock` found while holding the flock is stale when no process has it
+open (torch keeps its lock file open until it removes it): it is removed. One that a process still has open is
+another program loading the op (torch or DeepSpeed used directly; removing it under that program made its own
+release fail): the process says so and waits for it.
 
 Every build runs the `ninja` installed with DeepSpeed (the `ninja` package), whatever `PATH` finds first. A
 machine often has two (the system's 1.11 and the package's 1.13 here), their build logs hash commands differently,
@@ -37,8 +36,6 @@ SHM_COMM = "ShareMemCommBuilder"  # deepspeed.comm's CPU all-reduce, built by in
 # the JIT ops a run loads (those its accelerator lacks are skipped): the comm op only. An offloaded optimizer is
 # torch's AdamW or Adafactor, not DeepSpeedCPUAdam, so its op (40 s to compile on a new install here) is never built
 RUN_OPS = (SHM_COMM,)
-OWNER = "hpsearch.owner"  # an hpsearch process is loading (it holds the flock) or died loading (the flock is free)
-FOREIGN_LOCK_S = 600.0  # another program's `lock` this old is taken for one a killed program left
 
 
 def import_deepspeed():
@@ -70,44 +67,55 @@ def load_ops(names: Sequence[str] = RUN_OPS) -> list[str]:
         builder = get_accelerator().create_op_builder(name)
         if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
             continue  # the same test deepspeed.comm applies: this accelerator does not use the op
+        if builder.name in getattr(builder, "_loaded_ops", {}):  # loaded in this process: DeepSpeed's cache serves it
+            loaded.append(name)
+            continue
         build_dir = Path(_get_build_directory(builder.name, verbose=False))
         with open(build_dir / "hpsearch.flock", "a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies
             try:
-                _clear_stale_lock(build_dir)
-                (build_dir / OWNER).write_text(str(os.getpid()))
+                _clear_stale_lock(build_dir / "lock")
                 _ninja_of_this_environment()
                 with contextlib.redirect_stdout(sys.stderr):  # the builder prints; stdout is a run's result
                     builder.load(verbose=False)
             finally:
-                (build_dir / OWNER).unlink(missing_ok=True)
                 fcntl.flock(guard, fcntl.LOCK_UN)
         loaded.append(name)
     return loaded
 
 
-def _clear_stale_lock(build_dir: Path, poll_s: float = 0.5) -> None:
-    """With the flock held: remove torch's `lock` if an hpsearch process left it (its marker is there); wait for
-    another program's to go, removing it once it is `FOREIGN_LOCK_S` old."""
-    lock, owner = build_dir / "lock", build_dir / OWNER
-    if owner.exists():  # its writer held this flock, and died: nothing is loading
-        lock.unlink(missing_ok=True)
-        owner.unlink(missing_ok=True)
-        return
-    said = False
-    while True:
+def holders(path: Path) -> list[int] | None:
+    """The pids of the processes that have `path` open (of this user: /proc hides other users' files); None where
+    there is no /proc to ask."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    target, pids = str(path), []
+    for fds in proc.glob("[0-9]*/fd"):
         try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age >= FOREIGN_LOCK_S:
-            print(f"[hpsearch] removing {lock}: {age / 60:.0f} minutes old, left by a program that was killed while "
-                  "it loaded the op", file=sys.stderr, flush=True)
+            if any(os.readlink(fd) == target for fd in fds.iterdir()):
+                pids.append(int(fds.parent.name))
+        except OSError:  # another user's process, or one that has gone
+            continue
+    return pids
+
+
+def _clear_stale_lock(lock: Path, poll_s: float = 0.5) -> None:
+    """With the flock held: remove torch's `lock` when no process has it open (one died holding it); wait while a
+    process does (another program loading the op). No /proc: removed, as every lock was before."""
+    said = False
+    while lock.exists():
+        pids = holders(lock)
+        if not pids:
+            if pids is not None:
+                time.sleep(0.2)  # a holder closes the file just before it removes it: let it finish
+                if not lock.exists() or holders(lock):
+                    continue
             lock.unlink(missing_ok=True)
             return
         if not said:
-            print(f"[hpsearch] waiting for another program loading {build_dir.name} ({lock} exists; removed "
-                  f"once it is {FOREIGN_LOCK_S / 60:.0f} minutes old)", file=sys.stderr, flush=True)
+            print(f"[hpsearch] waiting for process {', '.join(map(str, pids))}, which is loading "
+                  f"{lock.parent.name} ({lock})", file=sys.stderr, flush=True)
             said = True
         time.sleep(poll_s)
 

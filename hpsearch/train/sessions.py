@@ -33,7 +33,7 @@ def staged(root: str | Path | None, rank: int):
         try:
             folder.mkdir(parents=True)
             break
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):  # .staging went between mkdir's steps: again
             if attempt == 2:
                 raise
     try:
@@ -87,10 +87,12 @@ class LocalSession:
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
         if checkpoint_dir:
-            source, target = Path(checkpoint_dir).resolve(), (self.dir / f"step_{metrics['step']}").resolve()
-            if source != target:
+            source, target = Path(checkpoint_dir), self.dir / f"step_{metrics['step']}"
+            if source.resolve() != target.resolve():
+                if target.is_symlink():  # a link of the user's: replaced, what it points to left alone
+                    target.unlink()
                 shutil.rmtree(target, ignore_errors=True)
-                if source.parent == (self.dir / STAGING).resolve():  # written for this report: moved, not rewritten
+                if source.resolve().parent == (self.dir / STAGING).resolve():  # written for this report: moved
                     move_into(source, target)
                 else:  # the user's folder (the finished run this one resumed from, reported again): copied
                     shutil.copytree(source, target)

@@ -91,7 +91,8 @@ class Study:
         Ray Train's, or Tune's for a trial that trained in its own actor; its best weights, already exported); keep
         the exports (`trials/<id>/model`, `task_params`, config, metrics). Returns (bytes freed, bytes the study
         folder still holds)."""
-        patterns = ("train/*/checkpoint_*", "train/*/best", "trial_*/checkpoint_*")
+        # .staging: a checkpoint part written by a trial killed while it wrote, never retried (sessions.staged)
+        patterns = ("train/*/checkpoint_*", "train/*/best", "train/*/.staging", "trial_*/checkpoint_*")
         doomed = [p for pattern in patterns for p in self.dir.glob(pattern) if p.is_dir()]
         freed = sum(_size(p) for p in doomed) + sum(self.storage.delete(self.name, pattern) for pattern in patterns)
         for path in doomed:
