@@ -857,6 +857,9 @@ def test_ray_two_workers_loss_falls_and_survive_a_worker_crash(tmp_path):
     logs = list(Path(ray_dir).glob("ray/session_latest/logs/worker-*.out"))
     actors = [f.read_text().partition(":actor_name:")[2].split("\n")[0] for f in logs]
     heads = [f.name for f in Path(ray_dir).glob("ray/session_latest/logs/dashboard_*Head.log")]
+    # its checkpoints were written beside the run's, in the staging area, and moved: nothing is left there
+    runs = tmp_path / "a" / "ray"
+    assert list(runs.glob("*/checkpoint_*")) and not list(runs.glob("*/.staging"))
     shutil.rmtree(ray_dir, ignore_errors=True)
     assert actors.count("RayTrainWorker") == 2 and "TrainController" in actors, actors
     assert not {"PreemptionWatcher", "DatasetManager", "PlacementGroupCleaner"} & set(actors), actors
@@ -1008,7 +1011,7 @@ def test_a_local_checkpoint_is_moved_from_its_staging_folder_and_a_users_folder_
         (Path(folder) / "state" / "weights").write_bytes(b"w" * 100)
         inode = (Path(folder) / "state" / "weights").stat().st_ino
         session.report({"step": 1}, folder)
-        assert not any(Path(folder).iterdir())  # moved out
+        assert not [f for f in Path(folder).rglob("*") if f.is_file()]  # moved out
     stored = tmp_path / "run" / "checkpoints" / "step_1" / "state" / "weights"
     assert stored.read_bytes() == b"w" * 100 and stored.stat().st_ino == inode  # renamed, not written again
     assert not (tmp_path / "run" / "checkpoints" / STAGING).exists()  # removed once empty
@@ -1023,6 +1026,44 @@ def test_a_local_checkpoint_is_moved_from_its_staging_folder_and_a_users_folder_
     session.report({"step": 3}, str(tmp_path / "run" / "checkpoints" / "step_2"))
     assert (users / "report.json").is_file() and not (tmp_path / "run" / "checkpoints" / "step_3").is_symlink()
     assert [h["step"] for h in session.history] == [1, 2, 2, 3]
+
+
+def test_a_ray_checkpoint_written_in_the_runs_staging_area_is_moved_into_its_folder(tmp_path, monkeypatch):
+    """Ray Train's upload of a reported checkpoint, as the recipe hands it (`store_in_ray_storage`): a rank's folder
+    in the run's staging area on a local (or shared) file system is moved into the checkpoint's folder, beside the
+    other ranks' files, after Ray's check that the node sees the storage; any other folder goes through Ray's own
+    upload (a copy)."""
+    from types import SimpleNamespace
+
+    import ray.train
+    from pyarrow import fs
+
+    from hpsearch.train.sessions import STAGING, staged, store_in_ray_storage
+
+    experiment = tmp_path / "ray" / "train-1"
+    calls = []
+    storage = SimpleNamespace(
+        storage_filesystem=fs.LocalFileSystem(), experiment_fs_path=str(experiment),
+        build_checkpoint_path_from_name=lambda name: str(experiment / name),
+        _check_validation_file=lambda: calls.append("checked"),
+        persist_current_checkpoint=lambda ckpt, name: calls.append(("copied", ckpt.path, name)) or "ray's")
+    monkeypatch.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: storage))
+    for rank in (0, 1):  # each rank's files in the same subfolders, as DeepSpeed's ZeRO shards are
+        with staged(experiment, rank) as folder:
+            (Path(folder) / "state").mkdir()
+            (Path(folder) / "state" / f"part_{rank}").write_bytes(b"x" * 10)
+            (Path(folder) / f"manifest_rank_{rank}.json").write_text("{}")
+            inode = (Path(folder) / "state" / f"part_{rank}").stat().st_ino
+            stored = store_in_ray_storage(ray.train.Checkpoint.from_directory(folder), "checkpoint_1")
+        assert stored.path == str(experiment / "checkpoint_1")
+        assert (experiment / "checkpoint_1" / "state" / f"part_{rank}").stat().st_ino == inode  # renamed
+    assert sorted(str(p.relative_to(experiment / "checkpoint_1")) for p in (experiment / "checkpoint_1").rglob("*")) \
+        == ["manifest_rank_0.json", "manifest_rank_1.json", "state", "state/part_0", "state/part_1"]
+    assert calls == ["checked", "checked"] and not (experiment / STAGING).exists()
+    elsewhere = tmp_path / "downloaded"
+    elsewhere.mkdir()
+    assert store_in_ray_storage(ray.train.Checkpoint.from_directory(str(elsewhere)), "checkpoint_2") == "ray's"
+    assert calls[-1] == ("copied", str(elsewhere), "checkpoint_2")
 
 
 def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path):

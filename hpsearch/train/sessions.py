@@ -45,11 +45,15 @@ def staged(root: str | Path | None, rank: int):
 
 
 def move_into(source: Path, target: Path) -> None:
-    """Every file and folder of `source` into `target` (created), renamed where both are on one file system; files
-    named manifest_* last (a checkpoint is complete once its manifests are there)."""
+    """Every file under `source` to the same place under `target`, renamed where both are on one file system, beside
+    what is there already (another rank's files of the same checkpoint); files named manifest_* last (a checkpoint
+    is complete once its manifests are there)."""
+    files = sorted((p for p in source.rglob("*") if p.is_file()), key=lambda p: p.name.startswith("manifest_"))
     target.mkdir(parents=True, exist_ok=True)
-    for child in sorted(source.iterdir(), key=lambda p: p.name.startswith("manifest_")):
-        shutil.move(str(child), str(target / child.name))
+    for f in files:
+        destination = target / f.relative_to(source)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(f), str(destination))
 
 
 class LocalSession:
@@ -128,8 +132,14 @@ class RaySession:
         self._resume_dir = None
 
     def staging(self):
-        """A temporary folder: Ray Train uploads the checkpoint to the run's storage."""
-        return staged(None, self.rank)
+        """Beside the run's checkpoints when its storage is a local file system (a shared one on a cluster): Ray's
+        upload of the checkpoint is then a rename (`store_in_ray_storage`). Else (a bucket) a temporary folder Ray
+        uploads."""
+        import ray.train
+        from pyarrow import fs
+        storage = ray.train.get_context().get_storage()
+        local = isinstance(storage.storage_filesystem, fs.LocalFileSystem)
+        return staged(storage.experiment_fs_path if local else None, self.rank)
 
     def get_checkpoint_dir(self) -> str | None:
         if self._ckpt is None:
@@ -157,7 +167,26 @@ class RaySession:
         if checkpoint_dir:
             checkpoints.write_manifest(checkpoint_dir, self.rank)
         ckpt = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=ckpt)
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_upload_fn=store_in_ray_storage if ckpt else None)
+
+
+def store_in_ray_storage(checkpoint, dir_name: str):
+    """Ray Train's upload of a reported checkpoint (`ray.train.report(checkpoint_upload_fn=...)`, called on each rank
+    with that rank's folder): a folder written in the run's own staging area (`RaySession.staging`, on the storage's
+    file system) is moved into the checkpoint's folder, every rank's files into the one folder as Ray merges them,
+    after Ray's own check that this node sees the storage; any other (a copy downloaded for a resume, a bucket's
+    run) is uploaded as Ray does it."""
+    import ray.train
+    from pyarrow import fs
+    storage = ray.train.get_context().get_storage()
+    source = Path(checkpoint.path)
+    staging = (Path(storage.experiment_fs_path) / STAGING).resolve()
+    if not isinstance(storage.storage_filesystem, fs.LocalFileSystem) or source.resolve().parent != staging:
+        return storage.persist_current_checkpoint(checkpoint, dir_name)
+    storage._check_validation_file()  # as persist_current_checkpoint: a node that does not see the storage fails
+    target = storage.build_checkpoint_path_from_name(dir_name)
+    move_into(source, Path(target))
+    return ray.train.Checkpoint(filesystem=storage.storage_filesystem, path=target)
 
 
 
