@@ -160,7 +160,6 @@ def prompt_cache(t5) -> EncoderDecoderCache | None:
     return EncoderDecoderCache(self_attention, DynamicCache())
 
 
-AttentionInterface.register(ATTN_NAME, prompted_attention)
 def prompted_mask(*args, attention_mask=None, allow_is_bidirectional_skip: bool = False, **kwargs):
     """transformers' eager mask; its skip of an all-unpadded bidirectional mask only where testing for it needs no
     device synchronisation (CPU tensors). Otherwise the mask is built: the same additive bias, all zeros."""
@@ -168,6 +167,7 @@ def prompted_mask(*args, attention_mask=None, allow_is_bidirectional_skip: bool 
     return eager_mask(*args, attention_mask=attention_mask, allow_is_bidirectional_skip=skip, **kwargs)
 
 
+AttentionInterface.register(ATTN_NAME, prompted_attention)
 AttentionMaskInterface.register(ATTN_NAME, prompted_mask)
 
 

@@ -150,9 +150,10 @@ def _trainer_class(own_ray: bool):
     imported torch; without them (and the dashboard) a standalone two-worker run reached its first step 1.2-3.3 s
     sooner (docs/performance.md). Another Ray without these names: its trainer as it is."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-    if _lean_callbacks() is None:
+    lean = _lean_callbacks()
+    if lean is None:
         return DataParallelTrainer
-    DatasetsCallback, PlacementGroupCleanerCallback = _lean_callbacks()
+    DatasetsCallback, PlacementGroupCleanerCallback = lean
 
     class Trainer(DataParallelTrainer):
         def _create_default_callbacks(self):

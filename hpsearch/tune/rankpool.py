@@ -162,15 +162,15 @@ class PoolSession(TuneSession):
         """This rank's files into the shared checkpoint folder (moved when local: written once), its manifest
         last; another rank's files stay."""
         from pyarrow import fs
+
+        from hpsearch.train.sessions import move_into
+        if self.local:
+            move_into(source, Path(target))
+            return
         files = sorted((p for p in source.rglob("*") if p.is_file()), key=lambda p: p.name.startswith("manifest_"))
         for f in files:
-            rel = f.relative_to(source).as_posix()
-            if self.local:
-                Path(target, rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(f), f"{target}/{rel}")
-            else:
-                fs.copy_files(str(f), f"{target}/{rel}", source_filesystem=fs.LocalFileSystem(),
-                              destination_filesystem=self.fs, use_threads=False)
+            fs.copy_files(str(f), f"{target}/{f.relative_to(source).as_posix()}",
+                          source_filesystem=fs.LocalFileSystem(), destination_filesystem=self.fs, use_threads=False)
 
 
 class Pool:
