@@ -729,6 +729,10 @@ def test_pha_retriever_picks_the_nearest_prototype():
     lone.backward()
     assert lone.item() == 0.0 and torch.equal(z.grad, torch.zeros_like(z))
     z.grad = None
+    single = instance_loss(z[:1], torch.tensor([0]), 0.1)  # a one-row batch: its row's only similarity is masked
+    single.backward()
+    assert single.item() == 0.0 and torch.equal(z.grad, torch.zeros_like(z))
+    z.grad = None
     two = instance_loss(z, torch.tensor([0, 1, 0, 2]), 0.1)  # only rows 0 and 2 are anchors
     two.backward()
     unit = torch.nn.functional.normalize(z.detach(), dim=-1)
