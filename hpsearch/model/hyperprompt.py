@@ -56,7 +56,8 @@ class LocalHypernets(nn.Module):
         y = torch.matmul(F.relu(h), pick(self.up))             # [2, blocks, T, l, d_inner]
         if self.up_bias is not None:
             y = y + pick(self.up_bias)
-        return y[0], y[1]
+        keys, values = y.unbind(0)  # backward stacks the two gradients (y[0], y[1]: a zero-filled y for each)
+        return keys, values
 
 
 class GlobalHypernets(nn.Module):
