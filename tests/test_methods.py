@@ -13,11 +13,13 @@ term by term, and its retriever picks the nearest prototype.
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
 import torch
 from t5_testing import logits, overfit, stock_copy, tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpsearch.errors import ConfigError
 from hpsearch.model import base, build_model, save_export, save_task_params
@@ -44,6 +46,7 @@ SETUPS = {
     "pha": ("pha", dict(bottleneck=4, pha_dim=5, pha_retriever_hidden=6, pha_hidden=7)),
 }
 WITH_TASK_PARAMS = [name for name in SETUPS if name != "mtl"]
+GENERATED = ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "hyperformer", "prefix", "mam", "pha"]
 PROMPTED = ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global", "prefix", "mam"]  # key/value prompts
 
 
@@ -104,6 +107,40 @@ def test_generators_run_for_the_batchs_tasks_only_and_give_the_all_task_values(n
         mine, theirs = grads.get(n, torch.zeros_like(p)), p.grad if p.grad is not None else torch.zeros_like(p)
         assert torch.allclose(mine, theirs, atol=1e-6), n
 
+
+
+class _Ops(TorchDispatchMode):
+    """The ATen operations run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_generators_are_a_few_batched_products_whatever_the_depth(name):
+    """The generators' structure, which no value test sees: every block's tensors come out of the same batched
+    products (as many at depth 2 as at 4, not a few small ones per block), and the backward never zero-fills a
+    whole generated tensor to hand one block's slice its gradient (select or slice backward: what made
+    HyperPrompt-Global slow; Share/Sep and PHA had it too)."""
+    products = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default")
+    counts = []
+    for layers in (2, 4):
+        model = make(name, config=tiny_config(num_layers=layers, num_decoder_layers=layers)).train()
+        with _Ops() as forward:
+            table = model.task_context(torch.tensor([2, 0, 2, 0])).table
+        tensors = [t for v in table.values() for t in (v if isinstance(v, tuple) else (v,))]
+        assert len(table) >= 2 * layers and all(t.requires_grad for t in tensors)  # a table per block, generated
+        with _Ops() as backward:
+            sum(t.sum() for t in tensors).backward()
+        counts.append({op: forward.names[op] for op in products if forward.names[op]})
+        zero_filled = {op for op in backward.names if "select_backward" in op or "slice_backward" in op}
+        assert not zero_filled, zero_filled
+    assert counts[0] == counts[1] and counts[0], counts
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["dynamic", "frozen"])
 @pytest.mark.parametrize("name", WITH_TASK_PARAMS)

@@ -1,7 +1,6 @@
 """HyperPrompt T5 against independent computations: stock T5 with the same weights, hand-written attention."""
 from __future__ import annotations
 
-import collections
 import itertools
 import json
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from t5_testing import logits, overfit, stock_copy, tiny_config
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpsearch.errors import ConfigError
 from hpsearch.model import build_model
@@ -639,36 +637,3 @@ def test_the_attention_bias_is_built_once_per_stack_and_call(batch, monkeypatch)
         model.generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"], max_new_tokens=3)
     assert built.count(False) == 1 and built.count(True) <= 2 * 3  # the encoder once; decoder and cross once a step
 
-
-class _Ops(TorchDispatchMode):
-    """The ATen operations run inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_generators_are_a_few_batched_products_for_the_batchs_tasks_only(variant):
-    """The generators' structure, which the value tests above cannot see: every block of a side comes out of the
-    same batched products (as many whatever the depth), only for the tasks the batch holds, and the backward never
-    zero-fills a whole stacked tensor to hand one block's slice its gradient (select/slice backward; what made
-    Global slow)."""
-    products = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default")
-    counts = []
-    for layers in (2, 4):
-        model = hp(variant=variant, config=tiny_config(num_layers=layers, num_decoder_layers=layers)).train()
-        with _Ops() as forward:
-            ctx = model.task_context(torch.tensor([2, 0, 2, 0]))  # 2 of the 3 tasks
-        assert {k: v[0].shape[0] for k, v in ctx.table.items()} == {k: 2 for k in model.layer_keys}
-        loss = sum(k.sum() + 2 * v.sum() for k, v in ctx.table.values())
-        with _Ops() as backward:
-            loss.backward()
-        counts.append({op: forward.names[op] for op in products if forward.names[op]})
-        zero_filled = {op for op in backward.names if "select_backward" in op or "slice_backward" in op}
-        assert not zero_filled, zero_filled
-    assert counts[0] == counts[1] and sum(counts[0].values()) <= 12, counts

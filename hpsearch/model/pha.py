@@ -94,20 +94,18 @@ class PHAT5(MultiTaskT5):
         """{(side, layer): (D [T, b, d], c [T, b], U [T, d, b], u [T, d])} for `tasks` (None: every task) and
         every block.
 
-        The hypernetwork runs once on all (task, block) pairs of those tasks; the heads then run per block on that
-        block's [T, p] slice (slicing the small embeddings, not the big generated weights, keeps backward
-        cheap)."""
+        The hypernetwork and each of the four heads run once on all (task, block) pairs of those tasks; the blocks'
+        tables are then unbound from the heads' outputs (whose backward stacks the blocks' gradients: no block's
+        slice zero-fills a whole output)."""
         ids = self._arange(len(self.tasks), device) if tasks is None else tasks
         prototypes, blocks = self.prototypes(ids), self.block_embeddings(self._arange(len(self.blocks), device))
         (T, p), M = prototypes.shape, blocks.shape[0]
         emb = self.hypernet(torch.cat([prototypes[:, None].expand(T, M, p), blocks[None].expand(T, M, p)], -1))
-        d, b = self.t5.config.d_model, self.cfg.bottleneck
-        table = {}
-        for m, key in enumerate(self.blocks):
-            e = emb[:, m]                                                                      # [T, p]
-            table[key] = (self.down_weight(e).view(T, b, d), self.down_bias(e), self.up_weight(e).view(T, d, b),
-                          self.up_bias(e))
-        return table
+        d, b = self.t5.config.d_model, self.cfg.bottleneck                                   # emb: [T, M, p]
+        heads = (self.down_weight, self.down_bias, self.up_weight, self.up_bias)
+        down_w, down_b, up_w, up_b = (head(emb).unbind(1) for head in heads)                 # M of [T, ...]
+        return {key: (dw.view(T, b, d), db, uw.view(T, d, b), ub)
+                for key, dw, db, uw, ub in zip(self.blocks, down_w, down_b, up_w, up_b)}
 
     def _arange(self, n: int, device=None) -> torch.Tensor:
         return torch.arange(n, device=device if device is not None else next(self.t5.parameters()).device)
