@@ -197,7 +197,7 @@ def test_memory_group_that_does_not_fit_the_free_memory_is_not_measured(monkeypa
     from hpsearch.bench import memory
 
     need = memory.need_bytes("t5-small", 2)
-    weights = memory.weights_bytes("t5-small")
+    weights = memory.weights_bytes(["model.backbone=t5-small"])
     assert need == int(6.5 * weights) + 2 * memory.RANK_IMPORTS and 0.2e9 < weights < 0.3e9  # 60.5 M fp32
     spawned = []
     monkeypatch.setattr(memory, "_spawn", lambda *a: spawned.append(a) or [])

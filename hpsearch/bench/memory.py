@@ -103,7 +103,7 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     else:  # the recipe: rank 0 builds it whole, every rank its partitions under zero.Init
         model = ModelBuilder(lambda n: 3, lambda stage, hidden: deepspeed_config(cfg, world, stage, hidden), rank)(
             make, lambda: build_skeleton(cfg.model, cfg.data.tasks))
-    weights, hidden = weights_bytes(shape), model.config.d_model
+    weights, hidden = weights_bytes([f"model.backbone={shape}"]), model.config.d_model
     peak.phase("partition")
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-4),
@@ -124,18 +124,20 @@ def rank_main(shape: str, build: str, mode: str, out: str) -> None:
     torch.distributed.destroy_process_group()  # left to the interpreter's exit, gloo's threads can abort it
 
 
-def weights_bytes(shape: str) -> int:
-    """The bytes of the group's model's weights (each parameter once), from a build on the meta device."""
+def weights_bytes(overrides: list[str]) -> int:
+    """The bytes of the weights (parameters and buffers, each once: tied embeddings count once) of the model of a
+    run config with these overrides (its `model.` and `data.` ones), from a build on the meta device: no memory,
+    no checkpoint read."""
     import torch
 
     from hpsearch.config import load_config
     from hpsearch.model import build_skeleton
-    from hpsearch.train.build import unique_parameters
 
-    cfg = load_config(None, [f"model.backbone={shape}"])
+    cfg = load_config(None, [o for o in overrides if o.startswith(("model.", "data."))])
     with torch.device("meta"):
-        skeleton = build_skeleton(cfg.model, cfg.data.tasks)
-    return sum(p.numel() * p.element_size() for p in unique_parameters(skeleton))
+        model = build_skeleton(cfg.model, cfg.data.tasks)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def need_bytes(shape: str, world: int) -> int:
@@ -144,7 +146,7 @@ def need_bytes(shape: str, world: int) -> int:
     ranks' imports (2026-11-27); a further rank holds about 0.9x more (4 ranks at t5-base). (4.5 + world)x the
     weights plus each rank's imports: 20.0 GiB there. What psutil reports is the host's memory: a container's lower
     limit (a Kubernetes pod's) is not seen, and a rank can still be killed there."""
-    return int((4.5 + world) * weights_bytes(shape)) + world * RANK_IMPORTS
+    return int((4.5 + world) * weights_bytes([f"model.backbone={shape}"])) + world * RANK_IMPORTS
 
 
 def too_big(shape: str, world: int, memory: int, of: str) -> str | None:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpsearch.bench import children
+from hpsearch.bench import children, memory
 from hpsearch.bench.timing import Figure
 from hpsearch.train import startup
 
@@ -149,21 +149,6 @@ def _improvements(metrics_file: Path) -> tuple[int, int]:
     return evaluations, improved
 
 
-def _weights_bytes(overrides: list[str]) -> int:
-    """Bytes of the run's model weights (parameters and buffers, each once: tied embeddings count once), from
-    a build on the meta device (no memory) of the same config."""
-    import torch
-
-    from hpsearch.config import load_config
-    from hpsearch.model import build_from_config
-
-    cfg = load_config(None, [o for o in overrides if o.startswith(("model.", "data."))])
-    with torch.device("meta"):
-        model = build_from_config(cfg.model, cfg.data.tasks)
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _tensor_bytes(path: Path) -> int:
     """The tensor data of a safetensors file: its size less the 8-byte length and the JSON header."""
     with open(path, "rb") as f:
@@ -184,7 +169,7 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
         written = json.loads(io_file.read_text())["wchar"]
         evaluations, improved = _improvements(out / "metrics.jsonl")
         try:
-            weights = _weights_bytes(overrides)
+            weights = memory.weights_bytes(overrides)
         except Exception as e:
             return [], {"checkpoint": f"cannot count the model's weights: {type(e).__name__}: {e}"[:400]}
         export = sum(_tensor_bytes(f) for f in (out / "model").glob("*.safetensors"))  # tensor data, as best's
