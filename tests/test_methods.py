@@ -737,6 +737,23 @@ def test_pha_loss_is_lm_plus_weighted_contrastive_terms_written_out(batch):
     assert abs(out.loss.item() - (lm.item() + 0.3 * (ir + pro))) <= 1e-5
 
 
+
+def test_pha_means_count_their_rows_and_tokens_exactly_in_bf16():
+    """bf16 holds whole numbers exactly only up to 256: the contrastive loss's mean over its anchor rows and the
+    retriever's mean over a row's tokens count them exactly (514 anchors counted in bf16 read 512)."""
+    from hpsearch.model.pha import instance_loss, masked_mean
+
+    # 257 tasks of 2 rows and 43 of one row: every anchor's term is the same, log(556 / 1) (identical z: every
+    # similarity equal), so the mean is that term, whatever the count, once the count is right
+    ids = torch.cat([torch.arange(257).repeat_interleave(2), torch.arange(257, 300)])
+    z = torch.ones(len(ids), 4, dtype=torch.bfloat16)
+    loss = instance_loss(z, ids, temperature=0.5)
+    assert loss.dtype == torch.bfloat16
+    assert abs(loss.item() - math.log(556)) < 0.015, loss.item()  # 6.3125; a bf16 step above with the count 512
+    hidden = torch.ones(1, 301, 2, dtype=torch.bfloat16) * 3
+    mask = torch.ones(1, 301, dtype=torch.long)
+    assert masked_mean(hidden, mask).tolist() == [[3.0, 3.0]]  # the bf16 sum 904 / 301; / 300 gave 3.015625
+
 def test_pha_retriever_picks_the_nearest_prototype():
     from hpsearch.model.pha import instance_loss
     model = make("pha")

@@ -212,8 +212,8 @@ def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_
                for d in sorted(study_dir.glob("trial_*"))]
     assert len(results) == 6 and all(results)
     assert len({row["pid"] for rows in results for row in rows}) == 1  # one actor trained every trial
-    # no Ray Train run: Ray Train writes its run's state under train/<trial id>/ (here only the best weights were);
-    # nor is a checkpoint left in the folder it was written in before it was stored (.staging: pathlib sees it)
+    # no Ray Train run: Ray Train writes its run's state under train/<trial id>/ (here only the best weights were;
+    # a staging folder left there would be gone anyway: the study's prune removes it, see test_train's for staged)
     assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]
     # ASHA stopped a trial inside its report, and the actor trained the next
     check_six_trials_with_a_stop_in_between(tmp_path, "inproc", study_dir)
@@ -247,7 +247,7 @@ def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
                for d in sorted(study_dir.glob("trial_*"))]
     assert len(results) == 6 and all(results)
     assert len({row["pid"] for rows in results for row in rows}) == 1  # one Tune actor drove them
-    assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]  # no Ray Train run, no .staging left
+    assert not [p for p in study_dir.glob("train/*/*") if p.name != "best"]  # no Ray Train run
     # ASHA stopped a trial, and the same ranks trained the next
     children = check_six_trials_with_a_stop_in_between(tmp_path, "pool", study_dir)
     left = [p for pattern in ("trial_*/checkpoint_*", "train/*/checkpoint_*", "train/*/best")

@@ -46,7 +46,8 @@ FORMULA = "T*p + M*p + (d*r + r + r*p + p) + (2*p*h + h + h*p + p) + 2*p + (p + 
 def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over each row's real tokens: hidden [B, n, d], mask [B, n] -> [B, d]."""
     m = mask.to(hidden.dtype)[..., None]
-    return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+    count = mask.sum(1, keepdim=True).clamp_min(1)  # an integer count: bf16 is exact only up to 256 tokens
+    return ((hidden * m).sum(1).float() / count).to(hidden.dtype)
 
 
 def instance_loss(z: torch.Tensor, task_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -63,8 +64,9 @@ def instance_loss(z: torch.Tensor, task_ids: torch.Tensor, temperature: float) -
     sim = sim.masked_fill(lone, 0.0)
     log_all = torch.logsumexp(sim, dim=1)
     log_pos = torch.logsumexp(sim.masked_fill(~(positive | lone), float("-inf")), dim=1)
-    weight = anchors.to(sim.dtype)
-    return ((log_all - log_pos) * weight).sum() / weight.sum().clamp_min(1.0)
+    # summed and counted in fp32: bf16 holds whole numbers exactly only up to 256
+    total = ((log_all - log_pos).float() * anchors).sum()
+    return (total / anchors.sum().clamp_min(1)).to(sim.dtype)
 
 
 def prototype_loss(z: torch.Tensor, prototypes: torch.Tensor, task_ids: torch.Tensor,

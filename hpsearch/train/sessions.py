@@ -28,13 +28,14 @@ def staged(root: str | Path | None, rank: int):
             yield folder
         return
     folder = Path(root) / STAGING / f"rank_{rank}"
-    shutil.rmtree(folder, ignore_errors=True)
-    for attempt in range(3):  # another rank may remove the empty .staging between our two mkdirs
+    for attempt in range(100):  # another rank leaving may remove the empty .staging between our two mkdirs
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
         try:
-            folder.mkdir(parents=True)
+            folder.mkdir()
             break
-        except (FileNotFoundError, FileExistsError):  # .staging went between mkdir's steps: again
-            if attempt == 2:
+        except FileNotFoundError:  # .staging went in between: again (a race lost 100 times in a row is none)
+            if attempt == 99:
                 raise
     try:
         yield str(folder)
@@ -96,8 +97,8 @@ class LocalSession:
                 if target.is_symlink():  # a link of the user's: replaced, what it points to left alone
                     target.unlink()
                 shutil.rmtree(target, ignore_errors=True)
-                if source.resolve().parent == (self.dir / STAGING).resolve():  # written for this report: moved
-                    move_into(source, target)
+                if source.resolve().parent == (self.dir / STAGING).resolve():  # written for this report: renamed
+                    source.rename(target)  # whole: a kill leaves no part of it as step_N (no manifest says)
                 else:  # the user's folder (the finished run this one resumed from, reported again): copied
                     shutil.copytree(source, target)
             metrics = {**metrics, "checkpoint": str(target)}
