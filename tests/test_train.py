@@ -1178,6 +1178,23 @@ def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_p
             assert min(r["others"]) > 0, key  # every weight trained
 
 
+
+@pytest.mark.slow
+def test_a_checkpoint_of_zero_stage_1_and_2_resumes_exactly(tmp_path):
+    """ZeRO-1/2's optimizer state (fp32's and DeepSpeed's bf16 optimizer's) holds DeepSpeed's `fragment_address`,
+    which the weights-only load refused: no stage-1/2 run (`offload_optimizer=true` picks stage 2) could resume,
+    and a study marked such trials failed for good. Two ranks save, a fresh pair passes the resume check, loads and
+    trains on to bitwise the same weights (tests/workers/zero_resume.py)."""
+    from test_zero3 import run_workers
+
+    run_workers("zero_resume.py", tmp_path, timeout=900)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(report) == {"stage1-fp32", "stage2-fp32", "stage1-bf16", "stage2-bf16"}
+        for case, r in report.items():
+            assert r["error"] is None, (case, r["error"])
+            assert r["max_diff"] == 0.0 and r["moved"] > 1e-3, (case, r)
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying(tmp_path, ranks):

@@ -37,7 +37,8 @@ def _deepspeed_types() -> list:
     import_deepspeed()  # the first import of DeepSpeed in a process that resumes: without MLflow (ops.py)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
+    from deepspeed.utils.tensor_fragment import fragment_address  # ZeRO-1/2's (and bf16's) optimizer state: 2 ints
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
 @contextmanager
