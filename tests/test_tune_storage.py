@@ -130,6 +130,36 @@ def test_storage_on_a_bucket_lists_copies_and_deletes(s3, tmp_path, monkeypatch)
         open_storage("s3://")
 
 
+
+def test_a_key_leading_out_of_the_folder_it_is_copied_to_is_refused(s3, tmp_path):
+    """A bucket's keys may hold `..` or `//`, and pyarrow lists them as they are: copying a checkpoint or a study's
+    files out of such a folder wrote `<target>/../../escaped.txt` (or `/abs.txt`) wherever the worker can write.
+    It is refused in one line, before anything is written."""
+    import boto3
+    from pyarrow import fs
+
+    from hpsearch.errors import UserError
+    from hpsearch.remotefs import download_dir
+    from hpsearch.train.checkpoints import download_for_rank
+
+    client = boto3.client("s3", endpoint_url=s3["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    filesystem = fs.FileSystem.from_uri(f"s3://{BUCKET}/unit")[0]
+    target = tmp_path / "a" / "b" / "copy"
+    for name, key in (("dots", "../../escaped.txt"), ("slash", "/abs.txt")):
+        folder = f"escape/{name}/ckpt"
+        client.put_object(Bucket=BUCKET, Key=f"{folder}/report.json", Body=b"{}")
+        client.put_object(Bucket=BUCKET, Key=f"{folder}/{key}", Body=b"owned")
+        listed = [i.path for i in filesystem.get_file_info(fs.FileSelector(f"{BUCKET}/{folder}", recursive=True))]
+        assert f"{BUCKET}/{folder}/{key}" in listed  # as it is: pyarrow does not clean it up
+        with pytest.raises(UserError, match=f"refusing to copy '{BUCKET}/{folder}/{key}', whose name leads out"):
+            download_dir(filesystem, f"{BUCKET}/{folder}", target)
+        with pytest.raises(UserError, match="whose name leads out"):
+            download_for_rank(filesystem, f"{BUCKET}/{folder}", 0)
+        assert not target.exists() and not (tmp_path / "a" / "escaped.txt").exists()
+    assert not Path("/abs.txt").exists()
+    download_dir(filesystem, f"{BUCKET}/escape/dots/ckpt", target, keep=lambda name: name == "report.json")
+    assert [p.name for p in target.iterdir()] == ["report.json"]  # a key left out is not looked at
+
 def tune(tmp_path, *args, mirror: str, root: str):
     env = {**os.environ, "HPSEARCH_STORAGE_CACHE": str(tmp_path / mirror), "PYTHONWARNINGS": "ignore"}
     return [sys.executable, "-m", "hpsearch.tune", "--name", "s3study", "--storage-path", f"s3://{BUCKET}/{root}",
