@@ -914,6 +914,35 @@ def test_ray_nan_loss_is_reported_not_hung(tmp_path):
     assert proc.returncode == 2 and "non-finite loss" in proc.stderr and "at step 3" in proc.stderr
 
 
+
+def test_a_manifest_reported_again_is_left_alone_and_a_new_one_replaces_the_old_whole(tmp_path):
+    """A checkpoint reported again (a finished run's result; one Tune never took) already holds its manifest: it is
+    not rewritten (the folder may be the stored checkpoint, or the user's, read-only; a kill during the old in-place
+    rewrite left the trial's only checkpoint looking incomplete). A manifest that changes is written beside and
+    renamed over the old one (a new file), never truncated in place."""
+    from pyarrow import fs
+
+    from hpsearch.train import checkpoints
+
+    folder = tmp_path / "checkpoint_1"
+    (folder / "state").mkdir(parents=True)
+    (folder / "state" / "weights.pt").write_bytes(b"w" * 10)
+    checkpoints.write_report(folder, {"step": 1})
+    checkpoints.write_manifest(folder, 0)
+    manifest = folder / "manifest_rank_0.json"
+    os.utime(manifest, ns=(10**18, 10**18))
+    first = manifest.stat().st_ino
+    checkpoints.write_manifest(folder, 0)
+    assert manifest.stat().st_mtime_ns == 10**18 and manifest.stat().st_ino == first  # not written at all
+    (folder / "state" / "more.pt").write_bytes(b"m")
+    checkpoints.write_manifest(folder, 0)
+    assert manifest.stat().st_ino != first and "state/more.pt" in json.loads(manifest.read_text())
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest_rank_0.json", "report.json", "state"]
+    (folder / ".manifest_rank_0.json.partial").write_text("{")  # what a kill while writing it left
+    checkpoints.write_manifest(folder, 0)
+    assert ".manifest_rank_0.json.partial" not in manifest.read_text()  # not taken for one of the checkpoint's files
+    assert checkpoints.complete_step(fs.LocalFileSystem(), str(folder), 1) == 1
+
 def test_newest_complete_checkpoint_needs_every_ranks_files_in_full(tmp_path):
     """A worker that dies just after its upload leaves a checkpoint Ray never registered: the restarted run takes it
     only when every rank's manifest is there and every listed file has its listed size."""

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from hpsearch.errors import UserError
@@ -248,11 +248,20 @@ MANIFEST = "manifest_rank_{}.json"
 
 
 def write_manifest(directory: str | Path, rank: int) -> None:
-    """This rank's files in a checkpoint folder it is about to report, with their sizes (see the module docstring)."""
+    """This rank's files in a checkpoint folder it is about to report, with their sizes (see the module docstring).
+    A folder reported again (a finished run's result, a checkpoint Tune never took) already has this very manifest:
+    left as it is (the folder may be a stored checkpoint, or the user's, read-only). Else written beside and renamed
+    over: a kill never leaves a stored checkpoint with a half-written manifest, which made it look incomplete."""
     directory = Path(directory)
     files = {str(f.relative_to(directory)): f.stat().st_size for f in sorted(directory.rglob("*"))
-             if f.is_file() and not (f.name.startswith("manifest_rank_") and f.parent == directory)}
-    (directory / MANIFEST.format(rank)).write_text(json.dumps(files) + "\n")
+             if f.is_file() and not (f.name.lstrip(".").startswith("manifest_rank_") and f.parent == directory)}
+    path, text = directory / MANIFEST.format(rank), json.dumps(files) + "\n"
+    with suppress(OSError):
+        if path.read_text() == text:
+            return
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def complete_step(filesystem, path: str, world: int) -> int | None:
