@@ -435,6 +435,42 @@ def test_a_kept_rank_frees_memory_before_and_after_each_trial(monkeypatch):
     assert calls == ["free", "keep", "t1 at /study/train/t1", "free"]  # all before the trial builds
 
 
+
+def test_a_kept_rank_trains_on_its_own_gpu_in_the_thread_that_runs_the_loop(monkeypatch):
+    """CUDA's current device is per thread and a kept rank is a threaded actor: the device `join` set (in its call's
+    thread) did not hold in the thread of the next call, `run`, where the loop trains, so every rank of a node
+    trained on its first GPU. No GPU here: torch.cuda.set_device is recorded with its thread, and the thread the
+    loop runs in must have set this rank's device."""
+    import threading
+
+    import torch
+
+    import hpsearch.train.loop as loop
+    import hpsearch.train.rendezvous as rendezvous
+    import hpsearch.tune.rankpool as rankpool
+
+    current, calls = threading.local(), []  # the device per thread, as CUDA keeps it
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(current, "device", d) or calls.append(d))
+    monkeypatch.setattr(rendezvous, "join_process_group", lambda *a: None)
+    monkeypatch.setattr(rankpool, "PoolSession", lambda *a: None)
+    monkeypatch.setattr(rankpool, "free_trial_memory", lambda: None)
+    monkeypatch.setattr(rankpool, "start_reused_trial", lambda: None)
+    trained_on = []
+    monkeypatch.setattr(loop, "train_loop", lambda config, session: trained_on.append(
+        getattr(current, "device", 0)))  # what torch.cuda.current_device() would give there
+    for var in ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.setenv(var, "")
+    rank = rankpool.Rank()
+    in_thread = lambda f: (t := threading.Thread(target=f)).start() or t.join()
+    in_thread(lambda: rank.join("nccl", 3, 4, "127.0.0.1", 1, (1, 2, 1, 2), ["4", "5"], 60))
+    in_thread(lambda: rank.run("t1", {}, "/study/train/t1", None, None))
+    assert trained_on == [1]  # local rank 1: the second of the node's two GPUs (CUDA_VISIBLE_DEVICES=4,5)
+    cpu = rankpool.Rank()  # CPU ranks never touch CUDA
+    calls.clear()
+    in_thread(lambda: cpu.join("gloo", 0, 1, "127.0.0.1", 1, (0, 1, 0, 1), [], 60))
+    in_thread(lambda: cpu.run("t2", {}, "/study/train/t2", None, None))
+    assert calls == [] and trained_on == [1, 0]
+
 def test_lost_optuna_trials_are_failed_at_the_end_and_an_unreachable_database_is_one_line(tmp_path):
     from optuna.trial import TrialState
 

@@ -43,6 +43,7 @@ class Rank:
         self._reports: queue.Queue = queue.Queue()
         self._answers: queue.Queue = queue.Queue()
         self.rank = self.world = None
+        self.gpu = False
 
     def where(self) -> tuple[str, str]:
         import ray
@@ -70,15 +71,24 @@ class Rank:
                           LOCAL_WORLD_SIZE=str(self.local_world_size), NODE_RANK=str(self.node_rank))
         if devices:  # before anything in this process starts CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-            import torch
-            torch.cuda.set_device(self.local_rank)  # as Ray Train does: the loop's device is this rank's own
+            self.gpu = True
+            self._use_own_device()
         join_process_group(backend, rank, world, addr, port, timeout_s)
         return os.getpid()
+
+    def _use_own_device(self) -> None:
+        """This rank's GPU as the current device of the calling thread. CUDA's current device is per thread, and
+        the actor is threaded: each trial's loop runs in a thread of its own, which would otherwise train every
+        rank of a node on its first GPU (as Ray Train sets it in its training thread)."""
+        if self.gpu:
+            import torch
+            torch.cuda.set_device(self.local_rank)
 
     def run(self, token: str, loop_config: dict, train_path: str, filesystem, taken) -> str:
         """Train one trial on this rank: "done", or "stopped" when the driver stopped it."""
         from hpsearch.train.loop import train_loop
 
+        self._use_own_device()  # in this call's thread: the loop's
         start_reused_trial()
         try:
             train_loop(loop_config, PoolSession(self, token, train_path, filesystem, taken))
