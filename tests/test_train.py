@@ -1061,6 +1061,40 @@ def test_a_local_checkpoint_is_moved_from_its_staging_folder_and_a_users_folder_
 
 
 
+
+def test_a_run_resumed_into_the_folder_of_one_that_went_further_keeps_its_own_checkpoints(tmp_path):
+    """`--local` keeps the newest `train.keep_checkpoints`: newest as stored, not by step number. Resumed into the
+    folder of a run that went further (from an older copy), the run kept the abandoned run's step_300 and step_400
+    and deleted each of its own as it stored it (found by an independent review). Its best weights never take the
+    name of the other run's, which that run's checkpoints still refer to."""
+    from pyarrow import fs
+
+    from hpsearch.config import load_config
+    from hpsearch.train import checkpoints
+    from hpsearch.train.sessions import LocalSession
+
+    run = tmp_path / "run" / "checkpoints"
+    for step in (300, 400):  # the abandoned run's
+        (run / f"step_{step}").mkdir(parents=True)
+    (run / "best").mkdir()
+    (run / "best" / "step_200.safetensors").write_bytes(b"theirs")
+    cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}", "train.keep_checkpoints=2"])
+    session = LocalSession(cfg, None)
+    stored = []
+    for step in (200, 250, 300):
+        with session.staging() as folder:
+            (Path(folder) / "report.json").write_text(json.dumps({"step": step, "mine": True}))
+            session.report({"step": step}, folder)
+        stored.append(sorted(p.name for p in run.glob("step_*")))
+    assert stored == [["step_200", "step_400"], ["step_200", "step_250"], ["step_250", "step_300"]]
+    assert json.loads((run / "step_300" / "report.json").read_text())["mine"]  # this run's step_300 replaced theirs
+    assert session.history[0]["checkpoint"] == str(run / "step_200")
+    local, folder = fs.LocalFileSystem(), str(run / "best")
+    assert checkpoints.best_weights_path(local, folder, 100, 0) == f"{folder}/step_100.safetensors"
+    assert checkpoints.best_weights_path(local, folder, 200, 0) == f"{folder}/step_200.1.safetensors"
+    (run / "best" / "step_200.1.safetensors").write_bytes(b"mine")
+    assert checkpoints.best_weights_path(local, folder, 200, 0) == f"{folder}/step_200.2.safetensors"
+
 def test_a_rank_entering_staging_while_others_leave_it_gets_its_folder(tmp_path, monkeypatch):
     """Each rank leaving its staging folder removes `.staging` once it is empty, which can fall between another
     rank's creating `.staging` and its own folder in it, and again on the retry (an independent review's 12

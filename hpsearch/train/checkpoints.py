@@ -158,6 +158,25 @@ def gather_on_rank0(named, rank: int) -> dict:
     return state
 
 
+def best_weights_path(filesystem, folder: str, step: int, rank: int) -> str:
+    """Where `save_best` puts the best weights of `step`: `<folder>/step_<step>.safetensors`, or
+    `step_<step>.<k>.safetensors` when that name is taken (a run resumed into the folder of one that went further,
+    whose checkpoints refer to their own file): no version a checkpoint refers to is ever overwritten. Rank 0 looks;
+    every rank gets its answer (each rank's checkpoint names it). Every rank calls this."""
+    import torch
+    from pyarrow import fs
+
+    name = [None]
+    if rank == 0:
+        path, k = f"{folder}/step_{step}.safetensors", 1
+        while filesystem.get_file_info(path).type != fs.FileType.NotFound:
+            path, k = f"{folder}/step_{step}.{k}.safetensors", k + 1
+        name = [path]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(name, src=0)
+    return name[0]
+
+
 def save_best(engine, rank: int, filesystem, path: str) -> None:
     """Rank 0 writes the weights training changes as safetensors at `path` of a pyarrow `filesystem`, in their
     training dtype (16-bit when training is): weights only, no optimizer state. Under ZeRO-3 the parameters are

@@ -217,7 +217,8 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 metrics.update(objective.evaluate())
                 if metrics["score"] > best["score"]:  # weights only, once; later checkpoints refer to them
                     filesystem, folder = session.best_dir()
-                    best = {"score": metrics["score"], "step": step, "weights": f"{folder}/step_{step}.safetensors"}
+                    best = {"score": metrics["score"], "step": step,
+                            "weights": checkpoints.best_weights_path(filesystem, folder, step, rank)}
                     checkpoints.save_best(engine, rank, filesystem, best["weights"])
                 metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
                 final = metrics

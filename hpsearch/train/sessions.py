@@ -65,6 +65,10 @@ class LocalSession:
         self.resume_from = resume_from
         self.keep = cfg.train.keep_checkpoints
         self.history: list[dict] = []
+        # the checkpoints kept, oldest first: an earlier run's in this folder (by step), then this run's as it
+        # stores them, so a run resumed here from an older copy keeps its own newest, not the abandoned run's
+        # higher-numbered ones
+        self.kept = sorted((p for p in self.dir.glob("step_*") if p.name[5:].isdigit()), key=_step_number)
 
     rank, world_size, local_rank, local_world_size, node_rank, nodes = 0, 1, 0, 1, 0, 1
     unregistered = False  # the checkpoint it resumes from is the user's folder
@@ -102,10 +106,15 @@ class LocalSession:
                 else:  # the user's folder (the finished run this one resumed from, reported again): copied
                     shutil.copytree(source, target)
             metrics = {**metrics, "checkpoint": str(target)}
-            steps = sorted(int(p.name.split("_", 1)[1]) for p in self.dir.glob("step_*") if p.name[5:].isdigit())
-            for old in steps[:-self.keep]:  # the newest `train.keep_checkpoints` stay
-                shutil.rmtree(self.dir / f"step_{old}", ignore_errors=True)
+            self.kept = [p for p in self.kept if p.name != target.name] + [target]
+            for old in self.kept[:-self.keep]:  # the newest `train.keep_checkpoints` stay
+                shutil.rmtree(old, ignore_errors=True)
+            self.kept = self.kept[-self.keep:]
         self.history.append(metrics)
+
+
+def _step_number(folder: Path) -> int:
+    return int(folder.name.split("_", 1)[1])
 
 
 class RaySession:
