@@ -507,6 +507,15 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     from hpsearch.model import build_model
     model = build_model(str(tmp_path / "full" / "model"))
     assert model.cfg.variant == "global" and model.extra_parameters()["total"] == full["extra_params"]
+    # into its own folder from its step-20 checkpoint, whose metrics.jsonl already holds step 40's line (as when a
+    # kill came between that line and its checkpoint's store): the resumed run evaluates step 40 again, and its
+    # line is there once
+    metrics = tmp_path / "full" / "metrics.jsonl"
+    lines = lambda: [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert lines() == [20, 40]
+    again = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/full", "--resume-from",
+                                 str(tmp_path / "full" / "checkpoints" / "step_20")))
+    assert lines() == [20, 40] and again["score"] == pytest.approx(full["score"], abs=1e-6)
 
 
 def test_pha_trains_and_logs_its_auxiliary_losses(tmp_path):

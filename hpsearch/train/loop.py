@@ -157,6 +157,8 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 raise UserError(f"checkpoint {resume_dir} does not match this run's config (client state: "
                                 f"{type(e).__name__}: {e})") from None
             _rank0_print(rank, f"resumed from {resume_dir} at step {step}")
+            if rank == 0:
+                _forget_evaluations_after(out_dir / "metrics.jsonl", step)
             lost = checkpoints.read_report(resume_dir) if session.unregistered else None
             if lost is not None:  # a worker died before Ray took this report: its metrics reach Tune and MLflow now
                 session.report(lost, resume_dir if rank == 0 else None)
@@ -315,6 +317,26 @@ def _maybe_crash(cfg, step: int, resumed: str | None, rank: int) -> None:
     if cfg.train.debug_crash_at_step == step and not resumed and rank == 0:
         os._exit(17)
 
+
+
+def _forget_evaluations_after(path: Path, step: int) -> None:
+    """The run's metrics.jsonl without the lines of evaluations after `step`: a run resumed from its step-`step`
+    checkpoint makes them again (each line is written just before its checkpoint is stored, so a kill in between
+    left one written for a checkpoint that never was). A line cut short by a kill goes too. Replaced whole."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+
+    def evaluated_at(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return math.inf
+    kept = [line for line in lines if evaluated_at(line) <= step]
+    if len(kept) != len(lines):
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, path)
 
 def _rank0_print(rank: int, text: str) -> None:
     if rank == 0:
