@@ -89,7 +89,7 @@ def load_ops(names: Sequence[str] = RUN_OPS) -> list[str]:
 # file systems other machines (or containers) may share: /proc here does not show their processes
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
                        "afs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs",
-                       "fuse.cephfs", "fuse.lustre", "fuse.mfs", "virtiofs", "9p")
+                       "fuse.cephfs", "fuse.lustre", "fuse.mfs")
 UNSURE_LOCK_S = 300.0  # a lock no process here can be shown to hold is taken for stale once it is this old
 
 
