@@ -60,7 +60,7 @@ def test_t_interval_matches_scipy(values, confidence):
 
 @pytest.mark.parametrize("method", ["BCa", "percentile", "basic"])
 def test_bootstrap_interval_matches_scipy_with_the_same_seed(method):
-    values = [61.2, 64.8, 59.9, 66.3, 63.1, 60.4, 65.0, 62.7]
+    values = [61.2, 64.8, 59.9, 66.3, 63.1, 60.4, 65.0, 62.7, 63.9, 61.8]
     ref = sps.bootstrap((np.array(values),), np.mean, confidence_level=0.95, n_resamples=2000, method=method,
                         random_state=np.random.default_rng(7), vectorized=True).confidence_interval
     iv = bootstrap_interval(values, 0.95, resamples=2000, seed=7, method=method)
@@ -68,6 +68,9 @@ def test_bootstrap_interval_matches_scipy_with_the_same_seed(method):
     assert iv.mean == pytest.approx(np.mean(values))
     again = interval(values, Stats(interval="bootstrap", resamples=2000, seed=7, bootstrap_method=method))
     assert again == iv  # seeded: the same interval every time
+    # over fewer values (failed runs left fewer than the 10 seeds a bootstrap spec needs): the t interval
+    fewer = interval(values[:9], Stats(interval="bootstrap", resamples=2000, seed=7, bootstrap_method=method))
+    assert fewer == t_interval(values[:9]) and "±" in fewer.text()
 
 
 def test_interval_edge_cases():
@@ -105,10 +108,13 @@ def test_shipped_specs_load():
 
 
 def test_spec_methods_overrides_and_seeds(tmp_path):
-    spec = load_spec(write(tmp_path, TINY), ["methods.mtl.train.lr=3e-3", "seeds=3", "budget.max_steps=40",
+    spec = load_spec(write(tmp_path, TINY), ["methods.mtl.train.lr=3e-3", "seeds=10", "budget.max_steps=40",
                                               "stats.interval=bootstrap"])
     mtl, hp = spec.methods
-    assert mtl.config.train.lr == 3e-3 and hp.config.train.lr == 1e-3 and spec.seeds == [0, 1, 2]
+    assert mtl.config.train.lr == 3e-3 and hp.config.train.lr == 1e-3 and spec.seeds == list(range(10))
+    with pytest.raises(ConfigError, match=r"stats.interval: 'bootstrap'; expected t with 3 seeds: a bootstrap needs "
+                                          r"at least 10 \(over fewer it covers far less"):
+        load_spec(write(tmp_path, TINY), ["seeds=3", "stats.interval=bootstrap"])
     assert hp.config.model.method == "hyperprompt" and hp.config.model.bottleneck == 8
     assert spec.config.train.max_steps == 40 and hp.config.train.max_steps == 40
     assert spec.stats.interval == "bootstrap"

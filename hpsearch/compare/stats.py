@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hpsearch.compare.spec import Stats
+from hpsearch.compare.spec import BOOTSTRAP_MIN_SEEDS, Stats
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,12 @@ def bootstrap_interval(values: Sequence[float], confidence: float = 0.95, resamp
 
 
 def interval(values: Sequence[float], stats: Stats | None = None) -> Interval:
-    """The interval the spec asks for (`stats.interval`), finite values only."""
+    """The interval the spec asks for (`stats.interval`), finite values only. A bootstrap over fewer than
+    `BOOTSTRAP_MIN_SEEDS` values (a spec needs that many seeds for it; failed runs can leave fewer) is a t interval
+    instead (shown as `±`, not `[low, high]`): over few values a bootstrap is about their range."""
     stats = stats or Stats()
     x = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    if stats.interval == "bootstrap":
+    if stats.interval == "bootstrap" and len(x) >= BOOTSTRAP_MIN_SEEDS:
         return bootstrap_interval(x, stats.confidence, stats.resamples, stats.seed, stats.bootstrap_method)
     return t_interval(x, stats.confidence)
 
