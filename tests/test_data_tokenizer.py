@@ -349,3 +349,32 @@ def test_evaluation_batches_rows_shortest_first_and_never_tokenizes_again(tmp_pa
             assert len(mine) == len(suite.split(suite.tasks[t], "validation")) and mine == sorted(mine), mine
         assert len({n for _, lengths in batches for n in lengths}) > 3  # rows of several lengths to sort
     assert tokenizer.calls == calls  # every batch collated from the stored ids
+
+
+def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_path):
+    """A label word cut by `train.max_new_tokens` never parses: with a 300-token vocabulary 'not_entailment' takes 9
+    tokens, and a perfect model scored 44.9 on RTE. A number cut by `data.max_target_length` trains on another
+    value ('3' for '3.8'). Each is a one-line ConfigError naming the field and what would fit."""
+    from hpsearch.data.tokenizer import check_targets_fit
+
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    cfg = DataConfig(source=str(glue), tasks=["rte", "mrpc", "stsb"], vocab_size=300, max_train_rows=200,
+                     max_eval_rows=20, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(cfg)
+    tokenizer = get_tokenizer("t5-tiny", cfg, suite, 8192)
+    words = {t: len(tokenizer(t, add_special_tokens=False).input_ids) for t in ("not_entailment", "not_equivalent")}
+    longest = max(words.values())
+    assert longest > 8, words  # cut by the default max_new_tokens=8
+    with pytest.raises(ConfigError, match=rf"^train.max_new_tokens: 8 cannot generate (rte|mrpc)'s target "
+                                          rf"'not_(entailment|equivalent)' \({longest} tokens with this tokenizer\); "
+                                          rf"expected at least {longest}$"):
+        check_targets_fit(tokenizer, suite.tasks, 16, 8)
+    with pytest.raises(ConfigError, match=rf"^data.max_target_length: {longest} cuts .* expected at least "
+                                          rf"{longest + 1}$"):
+        check_targets_fit(tokenizer, suite.tasks, longest, longest)
+    check_targets_fit(tokenizer, suite.tasks, longest + 1, longest)  # fits exactly
+    stsb = ["stsb"]
+    numbers = max(len(tokenizer(t, add_special_tokens=False).input_ids) for t in ("0.0", "3.8", "5.0", "4.6"))
+    with pytest.raises(ConfigError, match=r"^data.max_target_length: 2 cuts stsb's target '\d\.\d'"):
+        check_targets_fit(tokenizer, stsb, 2, 8)
+    assert numbers >= 2

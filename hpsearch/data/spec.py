@@ -56,6 +56,14 @@ class TaskSpec:
         decimals = 0 if self.grid >= 1 else 1
         return f"{steps * self.grid:.{decimals}f}"
 
+    def targets(self) -> list[str]:
+        """Every target text the task has: its label words, or each grid point of its label range."""
+        if self.labels is not None:
+            return list(self.labels)
+        low, high = self.label_range
+        return [self.target_text(i * self.grid) for i in range(math.ceil(low / self.grid - 1e-9),
+                                                                 math.floor(high / self.grid + 1e-9) + 1)]
+
     def parse(self, text: str) -> Label:
         """A generated target back to a label; None when it is not one (never raises)."""
         text = text.strip() if isinstance(text, str) else ""

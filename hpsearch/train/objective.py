@@ -54,6 +54,7 @@ class FineTuning:
 
     def __init__(self, cfg, rank: int, world: int, options: dict | None = None, build=build_whole):
         from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
+        from hpsearch.data.tokenizer import check_targets_fit
 
         self.cfg, self.rank, self.world = cfg, rank, world
         self.suite = suite = load_suite(cfg.data)
@@ -61,6 +62,7 @@ class FineTuning:
         with torch.device("meta"):
             vocab_size = skeleton().t5.config.vocab_size
         self.tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, suite, vocab_size)
+        check_targets_fit(self.tokenizer, suite.tasks, cfg.data.max_target_length, cfg.train.max_new_tokens)
         labels = [[self.tokenizer(word, add_special_tokens=False).input_ids for word in (spec.labels or ())]
                   for spec in (get_task(t) for t in suite.tasks)]
 
