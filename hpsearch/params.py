@@ -62,12 +62,17 @@ def describe(m) -> str:
 def main(argv: list[str]) -> int:
     parser = Parser(prog="python -m hpsearch.params", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="a run config YAML (sections model/data/train)")
-    parser.add_argument("--num-tasks", type=int, help="number of tasks T (default: len(data.tasks))")
+    parser.add_argument("--num-tasks", type=int, help="number of tasks T (default: the run's tasks, as "
+                        "data.source resolves data.tasks)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. model.variant=sep")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    num_tasks = args.num_tasks if args.num_tasks is not None else len(cfg.data.tasks)
+    if args.num_tasks is not None:
+        num_tasks = args.num_tasks
+    else:  # the default task list stands for the source's own suite (13 tasks in a GLUE folder, 8 on the hub)
+        from hpsearch.data.sources import resolve_tasks
+        num_tasks = len(resolve_tasks(cfg.data))
     if not 1 <= num_tasks <= MAX_TASKS:
         raise ConfigError(f"--num-tasks: {num_tasks}; expected an integer in [1, {MAX_TASKS}]")
     from hpsearch.model import check_local_backbone

@@ -44,3 +44,16 @@ def test_unified_view_sizes_on_t5_base():
     mam = run("model.method=mam", "model.prefix_hidden=800", "model.bottleneck=512")  # the paper's l = 30, b = 512
     assert mam["extra_params"] - prefix["extra_params"] == 8 * 24 * (768 * 512 + 512 + 512 * 768 + 768)
     assert mam["formula_terms"]["l"] == 30
+
+
+def test_the_default_task_count_is_the_suite_the_source_resolves(capsys):
+    """The default task list stands for the source's own suite: a GLUE folder's 13 tasks, the hub's 8; counting
+    len(data.tasks) gave the synthetic suite's 5 for every source (found by an independent review)."""
+    from pathlib import Path
+
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    for overrides, tasks in (([], 5), ([f"data.source={glue}"], 13), (["data.source=hub"], 8),
+                             ([f"data.source={glue}", "data.tasks=rte,mrpc"], 2)):
+        assert main([*overrides, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["extra_params"] == count(load_config(None, overrides), tasks)["extra_params"], overrides
