@@ -79,6 +79,28 @@ def test_same_texts_same_ids_and_the_cache_is_reused(suite, cfg, tmp_path, monke
     monkeypatch.setattr(tokenizers.trainers, "BpeTrainer", None)  # a retrain would fail now
     cached = get_tokenizer("t5-tiny", cfg, suite, 512)
     assert cached.get_vocab() == first.get_vocab()
+    monkeypatch.undo()
+
+
+def test_a_damaged_or_unwritable_tokenizer_cache_is_trained_again_and_the_version_is_in_its_key(suite, cfg,
+                                                                                                monkeypatch):
+    """Like the token-id cache: a cached tokenizer file that is empty or damaged (renamed into place, then the node
+    crashed) is trained again and replaced, not an error on every later run; a folder that cannot be written
+    keeps the trained tokenizer in the process. Another `tokenizers` version has a cache file of its own."""
+    import tokenizers
+
+    first = get_tokenizer("t5-tiny", cfg, suite, 512)
+    (cached,) = (Path(cfg.cache_dir) / "tokenizers").iterdir()
+    good = cached.read_bytes()
+    for damage in (b"", good[: len(good) // 2]):
+        cached.write_bytes(damage)
+        assert get_tokenizer("t5-tiny", cfg, suite, 512).get_vocab() == first.get_vocab()
+        assert cached.read_bytes() == good  # replaced by the same training
+    unwritable = DataConfig(cache_dir="/proc/hpsearch-cache")  # not even root can create a folder there
+    assert get_tokenizer("t5-tiny", unwritable, suite, 512).get_vocab() == first.get_vocab()
+    monkeypatch.setattr(tokenizers, "__version__", "0.0.1")
+    get_tokenizer("t5-tiny", cfg, suite, 512)
+    assert len(list((Path(cfg.cache_dir) / "tokenizers").iterdir())) == 2
 
 
 def test_training_is_deterministic_across_processes(tmp_path):

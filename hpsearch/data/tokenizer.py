@@ -85,16 +85,23 @@ def _corpus(suite) -> Iterator[str]:
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path):
     """Train (or load from `cache_dir`) a byte-level BPE tokenizer; written atomically, safe to race."""
+    import tokenizers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    digest = hashlib.sha256(f"{_VERSION}\n{vocab_size}\n".encode())
+    # the library's version too: another version may train other merges from the same texts, and nodes with caches
+    # of their own must tokenize alike
+    digest = hashlib.sha256(f"{_VERSION}\n{tokenizers.__version__}\n{vocab_size}\n".encode())
     for text in texts:
         digest.update(text.encode("utf-8") + b"\0")
     path = cache_dir / f"{_VERSION}-{vocab_size}-{digest.hexdigest()[:20]}.json"
+    tokenizer = None
     if path.is_file():
-        tokenizer = Tokenizer.from_file(str(path))
-    else:
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception:  # empty or damaged (a node that crashed after the rename): trained again, replaced
+            tokenizer = None
+    if tokenizer is None:
         tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -104,10 +111,13 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path):
         tokenizer.train_from_iterator(texts, trainer)
         tokenizer.post_processor = processors.TemplateProcessing(
             single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        temporary = temporary_beside(path)
-        tokenizer.save(str(temporary))
-        os.replace(temporary, path)
+        try:  # a cache that cannot be written (a read-only folder): this process keeps what it trained
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            temporary = temporary_beside(path)
+            tokenizer.save(str(temporary))
+            os.replace(temporary, path)
+        except OSError:
+            pass
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
                                    unk_token="<unk>")
 
