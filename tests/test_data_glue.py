@@ -190,3 +190,21 @@ def test_hub_errors_are_one_line(monkeypatch):
         {"validation": datasets.Dataset.from_list([{"sentence": "x", "label": 7, "idx": 0}])}))
     with pytest.raises(DataError, match=r"split validation row 0: label 7 out of range for task cola"):
         load_suite(DataConfig(source="hub", tasks=["cola"]))
+
+
+def test_a_file_replaced_by_one_with_the_same_time_is_read_as_it_is_now(tmp_path, cache):
+    """The `datasets` cache knows a local file by path and modification time: a validation file replaced by one
+    with flipped labels and the same time (rsync -a, cp -p, tar) read as the old rows. Rows are read as they are."""
+    folder = tmp_path / "glue" / "rte"
+    folder.mkdir(parents=True)
+    for split in ("train", "validation"):
+        (folder / f"{split}.jsonl").write_bytes((GLUE_DIR / "rte" / f"{split}.jsonl").read_bytes())
+    cfg = DataConfig(source=str(tmp_path / "glue"), tasks=["rte"], cache_dir=cache)
+    before = load_raw(cfg, ["rte"])["rte"]["validation"]
+    path = folder / "validation.jsonl"
+    stat = path.stat()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "label": 1 - r["label"]}) + "\n" for r in rows))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = load_raw(cfg, ["rte"])["rte"]["validation"]
+    assert [r["label"] for r in after] == [1 - r["label"] for r in before] and len(after) == 277

@@ -76,8 +76,6 @@ def _load_hub(_source: str, spec: TaskSpec, cache_dir: str | None) -> RawSplits:
 
 
 def _load_folder(source: str, spec: TaskSpec, cache_dir: str | None) -> RawSplits:
-    import datasets
-
     task_dir = Path(source).expanduser() / spec.name
     if not task_dir.is_dir():
         present = sorted(p.name for p in task_dir.parent.iterdir() if p.is_dir())
@@ -89,24 +87,17 @@ def _load_folder(source: str, spec: TaskSpec, cache_dir: str | None) -> RawSplit
         found = ", ".join(sorted(p.name for p in task_dir.glob("*.jsonl"))) or "no .jsonl files"
         raise DataError(f"{files[required]}: not found; task {spec.name} needs its '{required}' split "
                         f"(found: {found})")
-    files = {split: path for split, path in files.items() if path.is_file()}
-    counts = {split: _check_jsonl(path, spec) for split, path in files.items()}
-    if counts[required] == 0:
+    # the rows as read and checked here: the `datasets` cache knows a local file by its path and modification time
+    # only, so a file replaced by one with the same time (rsync -a, cp -p, tar) read as the old rows
+    out = {split: _read_jsonl(path, spec) for split, path in files.items() if path.is_file()}
+    if not out[required]:
         raise DataError(f"{files[required]}: no rows; task {spec.name} needs its '{required}' split")
-    files = {split: str(path) for split, path in files.items() if counts[split] > 0}
-    datasets.disable_progress_bars()
-    try:
-        dataset = datasets.load_dataset("json", data_files=files, cache_dir=cache_dir)
-    except Exception as e:
-        raise DataError(f"{task_dir}: datasets could not load the JSON files: {one_line(e)}") from e
-    out = {split: dataset[split].to_list() for split in files}
-    out.update({split: [] for split, n in counts.items() if n == 0})
     return out
 
 
-def _check_jsonl(path: Path, spec: TaskSpec) -> int:
-    """Check every line of a JSONL file (file, line number and field in the error); return the row count."""
-    rows = 0
+def _read_jsonl(path: Path, spec: TaskSpec) -> list[dict]:
+    """The rows of a JSONL file, every line checked (file, line number and field in the error)."""
+    rows = []
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
@@ -118,7 +109,7 @@ def _check_jsonl(path: Path, spec: TaskSpec) -> int:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); "
                                     "expected one JSON object per line") from None
                 _check(spec, row, f"{path}:{lineno}")
-                rows += 1
+                rows.append(row)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return rows
