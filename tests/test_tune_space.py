@@ -415,6 +415,39 @@ def test_a_trial_in_its_own_actor_frees_memory_before_and_after_it_trains(monkey
     assert calls == ["free", "keep", "session at /study/train/t1", "free"]  # all before the trial builds
 
 
+
+@pytest.mark.parametrize("objectives", [1, 2])
+def test_a_searcher_restored_from_before_a_trial_was_told_does_not_tell_it_again(tmp_path, objectives):
+    """Optuna writes a trial's end at once; Tune saves the searcher every 10 s or more. A driver killed in between
+    restores a searcher that takes the finished trial for running, Tune runs it again, and its results and its end
+    reached Optuna a second time: `UpdateFinishedTrialError`, "Cannot tell a PRUNED trial", and every `--resume`
+    ended there (found by an independent review). The storage's word is taken: nothing is told twice."""
+    from optuna.trial import TrialState
+
+    from hpsearch.tune.study import make_searcher
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    space = load_space(write(tmp_path, BASE))
+    space.objectives = space.objectives[:objectives]
+    result = lambda step: {"score": 0.5, "best_score": 0.5, "loss": 1.0, "step": step, "training_iteration": step // 20}
+    for ends in ("pruned", "complete"):
+        searcher = make_searcher(space, url, f"s-{ends}")
+        searcher.suggest("t1")
+        searcher.on_trial_result("t1", result(20))
+        searcher.save(str(tmp_path / "searcher.pkl"))  # Tune's last save before the kill
+        last = result(20 if ends == "pruned" else 40)  # ASHA stopped it at 20 (max_steps 40), or it ran through
+        searcher.on_trial_result("t1", last)
+        searcher.on_trial_complete("t1", last)
+        restored = make_searcher(space, url, f"s-{ends}")  # --resume
+        restored.restore(str(tmp_path / "searcher.pkl"))
+        restored.on_trial_result("t1", last)  # the trial, run again, reports again
+        restored.on_trial_complete("t1", last)
+        restored.suggest("t2")  # and the study goes on
+        restored.on_trial_complete("t2", result(40))
+        study = optuna.load_study(study_name=f"s-{ends}", storage=url)
+        first = TrialState.PRUNED if ends == "pruned" else TrialState.COMPLETE
+        assert [t.state for t in study.trials] == [first, TrialState.COMPLETE], ends
+
 def test_a_kept_rank_frees_memory_before_and_after_each_trial(monkeypatch):
     """The wiring of `free_trial_memory` and `keep_random_backbones` on a kept rank (as in a
     trial's own actor, above)."""
