@@ -71,6 +71,20 @@ def resolve_tracking_uri(uri: str) -> str:
                       "(MLflow's file store is not supported)")
 
 
+def check_experiment_active(uri: str, study: str) -> None:
+    """A study's experiment deleted in the MLflow UI (moved to its trash) takes no runs: one line before anything
+    starts, naming how to restore it, instead of MLflow's error after Ray has started."""
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        return  # a new store: nothing in it yet
+    from mlflow.tracking import MlflowClient
+
+    found = MlflowClient(uri).get_experiment_by_name(experiment_name(study))
+    if found is not None and found.lifecycle_stage == "deleted":
+        raise ConfigError(f"MLflow experiment {experiment_name(study)} is deleted in {uri}: restore it "
+                          f"(MLFLOW_TRACKING_URI={uri} mlflow experiments restore --experiment-id "
+                          f"{found.experiment_id}) or choose another --name")
+
+
 def check_server(uri: str, timeout: float = 5.0) -> None:
     """One request to the MLflow server's health endpoint; no answer is a one-line ConfigError (no retries)."""
     import urllib.error

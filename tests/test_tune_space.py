@@ -177,18 +177,48 @@ def test_resume_without_a_study_and_a_second_start_are_one_line_errors(tmp_path)
 
 
 def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_path):
-    from hpsearch.tune.cli import parse_args, prepare
+    from hpsearch.tune.cli import _claim, parse_args, prepare
 
     runs = tmp_path / "runs"
     first, _ = prepare(parse_args(["--storage-path", str(runs)]))
-    assert first.name == "default"
-    (runs / "default").mkdir(parents=True)
-    (runs / "default-2").mkdir()
+    assert first.name == "default" and (runs / "default").is_dir()  # the name is claimed before Ray starts
+    # a second study started at the same moment (the first has not saved its state yet): the next name, not the
+    # same folder and Optuna study (found by an independent review); with --name, one line
+    second, _ = prepare(parse_args(["--storage-path", str(runs), "train.lr=2e-3"]))
+    assert second.name == "default-2" and second.dir != first.dir
+    named, _ = prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
+    with pytest.raises(UserError, match="--name s1: a study of that name already exists"):
+        prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
+    # both past that check at once: the second to create the folder stops
+    with pytest.raises(UserError, match="--name s1: a study of that name has just started in"):
+        _claim(named.storage, "s1", named.dir, False, "default", set())
     again, _ = prepare(parse_args(["--storage-path", str(runs)]))
     assert again.name == "default-3"
-    with pytest.raises(UserError, match="no study 'default-2'"):  # the newest; it has no saved state here
+    with pytest.raises(UserError, match="no study 'default-3'"):  # the newest; it has no saved state here
         prepare(parse_args(["--storage-path", str(runs), "--resume"]))
 
+
+
+def test_a_deleted_experiment_and_a_missing_space_on_resume_are_one_line_before_anything_starts(tmp_path):
+    """Found by an independent review: a study's MLflow experiment deleted in the UI failed in MLflow after Ray had
+    started; `--resume --space <no such file>` was a FileNotFoundError traceback."""
+    from mlflow.tracking import MlflowClient
+
+    from hpsearch.tune.cli import parse_args, prepare
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    client.delete_experiment(client.create_experiment("hpsearch/gone"))
+    args = ["--storage-path", str(tmp_path / "runs"), "--tracking-uri", uri]
+    with pytest.raises(UserError, match=r"^MLflow experiment hpsearch/gone is deleted in sqlite:///.*: restore it "
+                                        r"\(MLFLOW_TRACKING_URI=.* mlflow experiments restore --experiment-id 1\) "
+                                        r"or choose another --name$"):
+        prepare(parse_args([*args, "--name", "gone"]))
+    assert not (tmp_path / "runs" / "gone").exists()  # nothing claimed
+    prepare(parse_args([*args, "--name", "kept"]))
+    for missing in (tmp_path / "no-such.yaml", tmp_path):
+        with pytest.raises(UserError, match=rf"^--space {missing}: no such file; drop --space"):
+            prepare(parse_args([*args, "--name", "kept", "--resume", "--space", str(missing)]))
 
 # ---- study logic without a cluster ------------------------------------------------------------------------------
 def test_concurrency_follows_resources(tmp_path):

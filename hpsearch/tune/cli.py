@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     """Everything a study needs, validated, before Ray or MLflow start: (study, state to save)."""
-    from hpsearch.tracking import DEFAULT_TRACKING_URI, resolve_tracking_uri
+    from hpsearch.tracking import DEFAULT_TRACKING_URI, check_experiment_active, resolve_tracking_uri
     from hpsearch.tune import optuna_store
 
     if args.num_samples is not None and args.num_samples < 1:
@@ -65,6 +65,9 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         name = args.name or _latest_study(storage, _space_name(space_path))
         study_dir = _study_dir(storage, name)
         storage.pull(name, STATE_FILE, SPACE_COPY)  # from the bucket, when the study lives in one
+        if args.space and not space_path.is_file():
+            raise ConfigError(f"--space {args.space}: no such file; drop --space (--resume continues with the "
+                              "study's own copy)")
         state = load_state(study_dir)
         if args.space and space_path.read_text() != state["space_text"]:
             raise ConfigError(f"--space {args.space}: differs from the space study '{name}' started with; --resume "
@@ -102,9 +105,30 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(space)
-    if state.get("optuna_storage"):  # last: creates the database (its tables) when it is new
+    check_experiment_active(state["tracking_uri"], name)
+    if state.get("optuna_storage"):  # creates the database (its tables) when it is new
         optuna_store.open_storage(state["optuna_storage"])
+    if not args.resume and not storage.remote:  # last: the name is this study's from now on (see _claim)
+        name, study_dir = _claim(storage, name, study_dir, args.name is None, space.name, recorded)
+        state["name"] = name
     return Study(name, study_dir, space, state.get("optuna_storage"), storage=storage), state
+
+
+def _claim(storage: Storage, name: str, study_dir: Path, free_to_rename: bool, base: str, recorded: set[str]
+           ) -> tuple[str, Path]:
+    """Create the study's folder, failing if it exists: nothing else marks a name taken until the study saves its
+    state, after Ray has started, so two studies started together took the same name (one folder, one Optuna
+    study, each pruning the other's checkpoints). Without --name the next free name is taken instead."""
+    while True:
+        try:
+            study_dir.mkdir(parents=True)
+            return name, study_dir
+        except FileExistsError:
+            if not free_to_rename:
+                raise ConfigError(f"--name {name}: a study of that name has just started in {study_dir}; add "
+                                  "--resume to continue it, or choose another --name") from None
+            name = _next_free_study(storage, base, recorded)
+            study_dir = _study_dir(storage, name)
 
 
 def _space_name(path: Path) -> str:
