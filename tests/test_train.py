@@ -1288,3 +1288,27 @@ def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying
     first, *others = reports
     assert first["export_tensors"] > 40 and first["export_own"] == first["export_tensors"] and first["export_equal"]
     assert all(r["export_none"] for r in others)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+                    reason="needs root, unshare and ip to make a namespace whose hostname names a network address")
+def test_gloo_listens_on_loopback_where_the_hostname_names_a_network_address(tmp_path):
+    """Gloo's sockets listen on the address the hostname resolves to, whatever MASTER_ADDR says: here (hostname ->
+    127.0.0.1) that hid it, so the ranks run in a network namespace whose hostname resolves to 192.0.2.2 on a veth
+    interface. Two ranks joined as on a private Ray, and one rank alone as `--local`, listen on 127.0.0.1 only (on
+    the old code three gloo sockets listened on 192.0.2.2; found by an independent review)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n192.0.2.2 gloohost\n")
+    worker = Path(__file__).parent / "workers" / "gloo_listen.py"
+    script = (f"ip link set lo up && ip link add v0 type veth peer name v1 && ip addr add 192.0.2.2/24 dev v0 && "
+              f"ip link set v0 up && hostname gloohost && mount --bind {hosts} /etc/hosts && "
+              f"exec {sys.executable} {worker}")
+    run = subprocess.run(["unshare", "--net", "--uts", "--mount", "sh", "-c", script], capture_output=True,
+                         text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"})
+    if "Unknown device type" in run.stderr or "Operation not permitted" in run.stderr:
+        pytest.skip(f"this kernel cannot make the namespace: {run.stderr.strip()[-200:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == "hostname gloohost 192.0.2.2" and lines[-1] == "done True", run.stdout
+    listening = [line.split()[1] for line in lines if line.startswith("LISTEN")]
+    assert len(listening) >= 4 and set(listening) == {"127.0.0.1"}, listening  # the store and 3 gloo devices

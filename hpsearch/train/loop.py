@@ -349,6 +349,9 @@ def _init_single_process_group(backend: str) -> None:
     environment still names rank 0 of 1 at 127.0.0.1 with a free port: DeepSpeed's CPU all-reduce names its shared
     memory after MASTER_ADDR / MASTER_PORT."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if backend == "gloo":
+        from hpsearch.train.rendezvous import bind_gloo_to_loopback
+        bind_gloo_to_loopback("127.0.0.1")  # gloo listens even alone: on loopback, not the hostname's address
     torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
