@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = N
 
     atexit.unregister(_skip_last_collection)  # once per process, however often a test calls run_main
     atexit.register(_skip_last_collection)  # handlers run last-registered first: after Ray's and MLflow's
+    stop_on_sigterm_as_on_ctrl_c()
     argv = sys.argv[1:] if argv is None else argv
     try:
         code = main(argv)
@@ -31,6 +33,19 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = N
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
+
+
+def stop_on_sigterm_as_on_ctrl_c() -> None:
+    """SIGTERM (`ray job stop`, `kill`, Kubernetes, SLURM) stops the program as Ctrl-C does: a study saves Tune's
+    state and ends its MLflow runs KILLED, a run stops its workers. Python's default ended the process on the spot
+    (and `ray.init` sets `sys.exit`, which skips the Ctrl-C path), leaving the runs RUNNING and Tune's last state
+    unsaved. Set again after `ray.init`. Only the main thread sets handlers (a test's thread leaves it)."""
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, _stop_as_ctrl_c)
+
+
+def _stop_as_ctrl_c(signum, frame) -> None:
+    signal.raise_signal(signal.SIGINT)
 
 
 def _skip_last_collection() -> None:

@@ -286,11 +286,11 @@ def finished_children(tmp_path, name):
     return [c for c in children if c.info.status == "FINISHED"]
 
 
-def interrupt_after_first_trial(cmd, tmp_path, name, env=None) -> str:
-    """Run a study and interrupt it (Ctrl-C) once its first trial has finished and the second has started; returns
-    its stderr after checking it exited 130."""
+def interrupt_after_first_trial(cmd, tmp_path, name, env=None, how=signal.SIGINT) -> str:
+    """Run a study and interrupt it (Ctrl-C, or `how`) once its first trial has finished and the second has started;
+    returns its stderr after checking it exited 130."""
     return interrupt_when(cmd, tmp_path, lambda: len(finished_children(tmp_path, name)) >= 1
-                          and len(study_runs(tmp_path, name)[2]) >= 2, env)
+                          and len(study_runs(tmp_path, name)[2]) >= 2, env, how)
 
 
 def second_trial_evaluated(tmp_path, name) -> bool:
@@ -303,13 +303,14 @@ def second_trial_evaluated(tmp_path, name) -> bool:
     return len(children) == 2 and len(running) == 1 and bool(steps(client, running[0].info.run_id))
 
 
-def interrupt_when(cmd, tmp_path, predicate, env=None) -> str:
-    """Run a study and interrupt it (Ctrl-C) once `predicate()` holds; its stderr, after checking it exited 130."""
+def interrupt_when(cmd, tmp_path, predicate, env=None, how=signal.SIGINT) -> str:
+    """Run a study and interrupt it (Ctrl-C, or `how`) once `predicate()` holds; its stderr, after checking it exited
+    130."""
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         started = wait_for(predicate, 600, proc, poll=0.5)
         assert started, (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None else "")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(how)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -320,12 +321,14 @@ def interrupt_when(cmd, tmp_path, predicate, env=None) -> str:
 
 @pytest.mark.slow
 def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
-    """Ctrl-C after the first trial, then `--resume`. One-worker trials (in their own actors): the resume is Tune's
-    and the searcher's, whatever trains the trial (the worker group's own resume: the driver-kill and bucket tests).
-    200 steps a trial: with 20, a trial in its actor took ~3 s, and the study ended before the Ctrl-C."""
+    """SIGTERM after the first trial (what `ray job stop`, `kill`, Kubernetes and SLURM send: the study stops as on
+    Ctrl-C, its runs KILLED, not left RUNNING), then `--resume`. One-worker trials (in their own actors): the resume
+    is Tune's and the searcher's, whatever trains the trial (the worker group's own resume: the driver-kill and
+    bucket tests, after a Ctrl-C). 200 steps a trial: with 20, a trial in its actor took ~3 s, and the study ended
+    before the signal."""
     budget = ["budget.max_steps=200", "budget.eval_every=100", "budget.grace_period=100", *SHORT[3:]]
     err = interrupt_after_first_trial(tune_cmd(tmp_path, "resume", "--num-samples", "3", *budget,
-                                               "resources.workers=1"), tmp_path, "resume")
+                                               "resources.workers=1"), tmp_path, "resume", how=signal.SIGTERM)
     assert "--resume" in err
     client, parents, before = study_runs(tmp_path, "resume")
     assert len(parents) == 1 and parents[0].info.status == "KILLED"

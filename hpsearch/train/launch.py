@@ -65,11 +65,14 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
     whose trainer has no cleaner (`_trainer_class`)."""
     import ray
 
+    from hpsearch.cli import stop_on_sigterm_as_on_ctrl_c
+
     env = runtime_env_vars(cfg)
     if os.environ.get("RAY_ADDRESS"):  # the cluster's own dashboard, whatever `dashboard` says
         env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"]
         ray.init(include_dashboard=True, runtime_env={"env_vars": env}, log_to_driver=log_to_driver,
                  logging_level="WARNING")
+        stop_on_sigterm_as_on_ctrl_c()  # ray.init set its own (sys.exit)
         return
     # Ray's single-machine mode: its node IP is loopback, so the GCS, raylets, workers, the dashboard agent and the
     # runtime-env agent listen on 127.0.0.1 only (else they take the machine's network address and `::`, whatever
@@ -94,6 +97,7 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": env},  # every service on loopback
              _system_config=dict(PRIVATE_RAY_SYSTEM_CONFIG),  # a copy: Ray adds its session's spilling to it
              log_to_driver=log_to_driver, logging_level="WARNING")
+    stop_on_sigterm_as_on_ctrl_c()  # ray.init set its own (sys.exit)
 
 
 def shutdown_ray() -> None:
