@@ -220,6 +220,24 @@ def test_a_deleted_experiment_and_a_missing_space_on_resume_are_one_line_before_
         with pytest.raises(UserError, match=rf"^--space {missing}: no such file; drop --space"):
             prepare(parse_args([*args, "--name", "kept", "--resume", "--space", str(missing)]))
 
+
+def test_a_trial_that_fits_the_host_but_not_the_containers_cpu_limit_is_one_line(tmp_path, monkeypatch):
+    """A private Ray offers the CPUs Ray counts: a container's limit, whole CPUs only. The check counted
+    os.cpu_count(), so a trial of 1.9 CPU passed under a 1.5-CPU limit (Ray offers 1) and waited forever, Tune's
+    warning silenced (found by an independent review). Ray's own cgroup reading is made to see a 1.5-CPU limit."""
+    import ray._private.utils as ray_utils
+
+    from hpsearch.tune.cli import _check_fits
+
+    space = load_space(write(tmp_path, BASE))  # 2 workers x 0.9 CPU + 0.1 for the trial's driver
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(ray_utils.multiprocessing, "cpu_count", lambda: 4)
+    _check_fits(space)  # fits the host's 4
+    monkeypatch.setattr(ray_utils, "_get_docker_cpus", lambda *a, **k: 1.5)
+    with pytest.raises(UserError, match=r"one trial needs 1.9 CPU \(2 workers x 0.9 \+ 0.1 for the trial's driver\) "
+                                        r"but this machine has 1 \(as Ray counts them: a container's CPU limit"):
+        _check_fits(space)
+
 # ---- study logic without a cluster ------------------------------------------------------------------------------
 def test_concurrency_follows_resources(tmp_path):
     from hpsearch.tune.cluster import concurrency

@@ -183,34 +183,43 @@ def _check_backbone(cfg) -> None:
     check_local_backbone(cfg.model.backbone)
 
 
-def local_resources(gpus: bool) -> dict[str, float]:
+def local_resources(gpus: bool, as_ray_counts: bool = False) -> dict[str, float]:
     """What a private local Ray offers: this machine's CPUs and, when `gpus`, its CUDA devices (counting them
-    imports torch, about 2 s here: a CPU-only study skips it, so its mistakes are said at once)."""
+    imports torch, about 2 s here: a CPU-only study skips it, so its mistakes are said at once). `as_ray_counts`:
+    the CPUs as Ray counts them (what `ray.init` offers): a container's CPU limit, whole CPUs only (a 1.5-CPU limit
+    offers 1 where os.cpu_count() says the host's); it imports Ray."""
+    cpus = float(os.cpu_count() or 1)
+    if as_ray_counts:
+        from ray._private.utils import get_num_cpus
+        cpus = float(get_num_cpus(override_docker_cpu_warning=True))
     if not gpus:
-        return {"CPU": float(os.cpu_count() or 1)}
+        return {"CPU": cpus}
     import torch
-    return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+    return {"CPU": cpus, "GPU": float(torch.cuda.device_count())}
 
 
 def _check_fits(space) -> None:
-    """A trial that can never be placed on this machine (a private local Ray) would wait forever: say so before Ray
-    starts."""
+    """A trial that can never be placed on this machine (a private local Ray) would wait forever (Tune's warning
+    about it is silenced): say so before Ray starts. First against os.cpu_count() (no import: the usual mistakes are
+    said at once), then against the CPUs Ray will offer (a container's limit)."""
     from hpsearch.tune.cluster import trial_resources
 
     t, needs = space.config.train, trial_resources(space)
-    cluster = local_resources(gpus="GPU" in needs)
-    driver = space.resources.driver_resource
-    if driver and cluster.get(driver, 0.0) < 1:
-        raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so no "
-                          "trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
-    for kind, need in needs.items():
-        have = cluster.get(kind, 0.0)
-        if need > have + 1e-9:
-            per_worker = t.cpus_per_worker if kind == "CPU" else t.gpus_per_worker
-            extra = f" + {space.resources.trial_cpus} for the trial's driver" if kind == "CPU" else ""
-            raise ConfigError(f"resources: one trial needs {need:g} {kind} ({t.num_workers} workers x {per_worker:g}"
-                              f"{extra}) but this machine has {have:g}; lower resources.workers or "
-                              f"resources.{'cpus' if kind == 'CPU' else 'gpus'}_per_worker")
+    for as_ray_counts in (False, True):
+        cluster = local_resources(gpus="GPU" in needs, as_ray_counts=as_ray_counts)
+        driver = space.resources.driver_resource
+        if driver and cluster.get(driver, 0.0) < 1:
+            raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so "
+                              "no trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
+        for kind, need in needs.items():
+            have = cluster.get(kind, 0.0)
+            if need > have + 1e-9:
+                per_worker = t.cpus_per_worker if kind == "CPU" else t.gpus_per_worker
+                extra = f" + {space.resources.trial_cpus} for the trial's driver" if kind == "CPU" else ""
+                limit = " (as Ray counts them: a container's CPU limit, whole CPUs)" if as_ray_counts else ""
+                raise ConfigError(f"resources: one trial needs {need:g} {kind} ({t.num_workers} workers x "
+                                  f"{per_worker:g}{extra}) but this machine has {have:g}{limit}; lower "
+                                  f"resources.workers or resources.{'cpus' if kind == 'CPU' else 'gpus'}_per_worker")
 
 
 def main(argv: list[str]) -> int:
