@@ -593,7 +593,7 @@ def test_a_full_disk_is_one_line_that_says_whether_resume_helps(tmp_path, monkey
             raise error
         monkeypatch.setattr(cli, "_run", run)
         with pytest.raises(UserError) as caught:
-            cli._run_and_end(study, parent, tuner=None)
+            cli._run_and_end(study, parent, make_tuner=lambda: None)
         return str(caught.value)
 
     said = stops_with(OSError(errno.ENOSPC, "No space left on device"))
@@ -602,6 +602,14 @@ def test_a_full_disk_is_one_line_that_says_whether_resume_helps(tmp_path, monkey
     said = stops_with(cli._no_space(study, resume=False))
     assert said.endswith("free space there, then run the study again (--resume does not retry failed trials)")
     assert ended == ["FAILED", "FAILED"]
+    # the study's state could not be saved, or Tune's not restored, after its MLflow run was made: ended, not left
+    # RUNNING (found by an independent review)
+    monkeypatch.setattr(cli, "_run", lambda *a: pytest.fail("no tuner: nothing runs"))
+    with pytest.raises(UserError, match="no space left on device"):
+        cli._run_and_end(study, parent, make_tuner=lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(KeyboardInterrupt):
+        cli._run_and_end(study, parent, make_tuner=lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert ended == ["FAILED", "FAILED", "FAILED", "KILLED"]
 
 
 def test_optuna_dashboard_serves_the_study_on_loopback(tmp_path):

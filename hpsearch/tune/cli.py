@@ -253,32 +253,35 @@ def main(argv: list[str]) -> int:
         parent = StudyRun.create(state["tracking_uri"], study.name, space_path=state["space_path"],
                                  space_text=state["space_text"], command=command, params=_study_params(study),
                                  description=space.description)
-        state.update(parent_run_id=parent.run_id, command=command, tune_loggers="results")
-        study.save_state(state)
 
-    if state.get("system_metrics"):
-        study.system_metrics = {"tracking_uri": parent.tracking_uri, "experiment_id": parent.experiment_id,
-                                "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
-    max_concurrent = concurrency(space, ray.cluster_resources())
-    print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
-          f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
-    if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
-        # with the callbacks, searcher and scheduler it saved
-        tuner = restore_tuner(study, results_only=state.get("tune_loggers") == "results")
-    else:
+    def tuner():  # within _run_and_end: a failure from here on ends the study's MLflow run, not leaves it RUNNING
+        if not args.resume:
+            state.update(parent_run_id=parent.run_id, command=command, tune_loggers="results")
+            study.save_state(state)
+        if state.get("system_metrics"):
+            study.system_metrics = {"tracking_uri": parent.tracking_uri, "experiment_id": parent.experiment_id,
+                                    "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
+        max_concurrent = concurrency(space, ray.cluster_resources())
+        print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
+              f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
+        if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
+            # with the callbacks, searcher and scheduler it saved
+            return restore_tuner(study, results_only=state.get("tune_loggers") == "results")
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
                                study.trial_config, study.outcome)
-        tuner = make_tuner(study, [trial_runs], max_concurrent)
+        return make_tuner(study, [trial_runs], max_concurrent)
+
     code = _run_and_end(study, parent, tuner)
     # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (a study's goes to Ray's logs)
     shutdown_ray()
     return code
 
 
-def _run_and_end(study: Study, parent, tuner) -> int:
-    """`_run`, with the study's MLflow run ended however it stops, and a full disk said in one line."""
+def _run_and_end(study: Study, parent, make_tuner) -> int:
+    """`_run` of the tuner `make_tuner()` makes, with the study's MLflow run ended however it stops (also while the
+    tuner is made: its state saved, Tune's restored), and a full disk said in one line."""
     try:
-        return _run(study, parent, tuner)
+        return _run(study, parent, make_tuner())
     except KeyboardInterrupt:  # a second Ctrl-C: the study's runs are not left RUNNING
         parent.finish("KILLED")
         raise
