@@ -238,6 +238,37 @@ def test_a_trial_that_fits_the_host_but_not_the_containers_cpu_limit_is_one_line
                                         r"but this machine has 1 \(as Ray counts them: a container's CPU limit"):
         _check_fits(space)
 
+
+def test_the_time_budget_counts_while_the_driver_runs_and_stops_the_searcher(monkeypatch, tmp_path):
+    """The budget's clock ticks at each report (and each loop of Tune's); a study restored by `--resume` goes on with
+    what was left, not counting the time it was down; once spent, running trials stop at their next report and the
+    searcher starts no new trial."""
+    import pickle
+    import time
+
+    from ray.tune.search import Searcher
+
+    from hpsearch.tune.searcher import TimeBudget
+    from hpsearch.tune.study import make_searcher
+
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    stopper = TimeBudget(10)
+    assert stopper.stop_all() is False and not stopper("t1", {})
+    now[0] += 6
+    assert not stopper("t1", {})
+    restored = pickle.loads(pickle.dumps(stopper))  # Tune's saved state; the driver is down for a while
+    now[0] += 1000
+    assert not restored("t1", {})  # 4 s left
+    now[0] += 5
+    assert restored("t1", {}) and restored.stop_all() is False  # a trial stops; the study ends when they have
+    space = load_space(write(tmp_path, BASE))
+    space.budget.time_budget_s = 10
+    searcher = make_searcher(space)
+    assert isinstance(searcher.suggest("a"), dict)
+    now[0] += 11
+    assert searcher.suggest("b") == Searcher.FINISHED
+
 # ---- study logic without a cluster ------------------------------------------------------------------------------
 def test_concurrency_follows_resources(tmp_path):
     from hpsearch.tune.cluster import concurrency

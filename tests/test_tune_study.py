@@ -222,6 +222,31 @@ def test_one_worker_trials_train_in_one_reused_actor_without_a_worker_group(tmp_
     assert "MB of checkpoints only a resume needed were removed" in out.stdout
 
 
+
+@pytest.mark.slow
+def test_a_time_budget_stops_trials_through_tune_so_optuna_and_mlflow_are_told(tmp_path):
+    """`budget.time_budget_s`: Tune's own budget stopped every trial at once behind the searcher's and MLflow's
+    backs (a running trial was never told to Optuna and failed as lost at the end; its MLflow run got no outcome).
+    Now each running trial stops at its next evaluation through Tune's own stop, and no new trial starts: the study
+    ends with fewer trials than asked for, every one told to Optuna (the one the budget stopped PRUNED, none FAIL)
+    and ended in MLflow with its outcome (found by an independent review)."""
+    from optuna.trial import TrialState
+
+    budget = ["budget.max_steps=1000", "budget.eval_every=50", "budget.grace_period=1000",  # no ASHA stop
+              "budget.time_budget_s=25", *SHORT[3:]]
+    out = subprocess.run(tune_cmd(tmp_path, "timed", "--num-samples", "8", *budget, "resources.workers=1",
+                                  "resources.max_concurrent=1"), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, parents, children = study_runs(tmp_path, "timed")
+    assert parents[0].info.status == "FINISHED" and 1 <= len(children) < 8
+    outcomes = [c.data.tags.get("hpsearch.outcome") for c in children]
+    assert all(c.info.status == "FINISHED" for c in children) and "stopped" in outcomes, outcomes
+    assert set(outcomes) <= {"complete", "stopped"}, outcomes
+    states = [t.state for t in optuna.load_study(study_name="timed", storage=f"sqlite:///{tmp_path}/optuna.db").trials]
+    assert len(states) == len(children) and TrialState.PRUNED in states, states
+    assert set(states) <= {TrialState.COMPLETE, TrialState.PRUNED}, states
+
 @pytest.mark.slow
 def test_kept_ranks_train_every_trial_of_a_two_worker_study(tmp_path):
     """Two workers (`resources.worker_group=auto`, the default): the trial's Tune actor starts its two ranks once

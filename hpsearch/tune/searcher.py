@@ -13,13 +13,60 @@ Optuna about a finished trial raises (`UpdateFinishedTrialError`, "Cannot tell a
 """
 from __future__ import annotations
 
+import time
+
+from ray.tune import Stopper
+from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 
+class BudgetClock:
+    """The seconds of a study's time budget (`budget.time_budget_s`) left, counted while the driver runs (not while
+    it is down between an interruption and `--resume`, as Tune's own budget counts). Each object that needs it has
+    its own clock: they tick at the same events."""
+
+    def __init__(self, seconds: float):
+        self.left, self._last = float(seconds), None
+
+    def spent(self) -> bool:
+        now = time.monotonic()
+        if self._last is not None:
+            self.left -= now - self._last
+        self._last = now
+        return self.left <= 0
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_last": None}  # another process's monotonic clock means nothing
+
+
+class TimeBudget(Stopper):
+    """`budget.time_budget_s`, trial by trial: once it is spent each running trial stops at its next report, through
+    Tune's own stop (the searcher tells Optuna, MLflow ends the trial's run, as for an ASHA stop); the searcher then
+    starts no new trial, and the study ends when the last one stopped. Tune's `time_budget_s` stopped every trial at
+    once behind the searcher's and the callbacks' backs: running trials were never told to Optuna (failed as lost
+    at the end), their MLflow runs got no outcome, and a trial that never started counted as stopped."""
+
+    def __init__(self, seconds: float):
+        self.clock = BudgetClock(seconds)
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        return self.clock.spent()
+
+    def stop_all(self) -> bool:
+        self.clock.spent()  # ticks between reports too
+        return False
+
+
 class BudgetAwareOptunaSearch(OptunaSearch):
-    def __init__(self, *args, max_steps: int, **kwargs):
+    def __init__(self, *args, max_steps: int, time_budget_s: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._max_steps = max_steps
+        self._clock = BudgetClock(time_budget_s) if time_budget_s else None  # see TimeBudget
+
+    def suggest(self, trial_id: str):
+        if self._clock is not None and self._clock.spent():
+            return Searcher.FINISHED  # the time budget is spent: no new trial
+        return super().suggest(trial_id)
 
     def _told_before(self, trial_id: str) -> bool:
         """Whether the storage shows the trial finished (told by a driver whose state this one did not restore);
@@ -33,6 +80,8 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         return True
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if self._clock is not None:
+            self._clock.spent()
         if not self._told_before(trial_id):
             super().on_trial_result(trial_id, result)
 

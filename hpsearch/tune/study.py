@@ -246,7 +246,8 @@ def make_searcher(space: SearchSpace, storage_url: str | None = None, study_name
         stored = {"storage": open_storage(storage_url), "study_name": study_name}
     return BudgetAwareOptunaSearch(space=space.define_by_run(), metric=metric, mode=mode, sampler=sampler,
                                    points_to_evaluate=copy.deepcopy(space.points_to_evaluate) or None,
-                                   max_steps=space.config.train.max_steps, **stored)
+                                   max_steps=space.config.train.max_steps,
+                                   time_budget_s=space.budget.time_budget_s, **stored)
 
 
 def trainable(study: Study):
@@ -262,6 +263,7 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     from ray.tune.schedulers import ASHAScheduler
 
     from hpsearch.tune.progress import TrialEvents
+    from hpsearch.tune.searcher import TimeBudget
 
     space = study.space
     primary = space.primary
@@ -271,13 +273,15 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     searcher = make_searcher(space, study.optuna_storage, study.name)
     tune_config = ray.tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
-                                      time_budget_s=space.budget.time_budget_s, trial_dirname_creator=trial_dirname,
+                                      trial_dirname_creator=trial_dirname,
                                       reuse_actors=study.reuses_actors)  # the next trial keeps the actor's imports
     events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
     results_only_loggers()
+    budget = space.budget.time_budget_s
     run_config = ray.tune.RunConfig(name=study.name, storage_path=storage_path, storage_filesystem=storage_fs,
+                                    stop=TimeBudget(budget) if budget else None,  # not Tune's time_budget_s
                                     callbacks=[*callbacks, events, CSVLoggerCallback(), JsonLoggerCallback()],
                                     failure_config=ray.tune.FailureConfig(max_failures=space.budget.max_failures),
                                     verbose=0)
