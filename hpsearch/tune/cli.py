@@ -10,6 +10,7 @@ validated before Ray starts; a mistake is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -239,20 +240,26 @@ def main(argv: list[str]) -> int:
 
     space = study.space
     overlap = not args.resume and not os.environ.get("RAY_ADDRESS")  # a new study, a private Ray to start
-    with ThreadPoolExecutor(1) as pool:  # then MLflow's schema is set up while Ray starts
-        store = pool.submit(open_store, state["tracking_uri"]) if overlap else None
-        # workers' output: Ray's session logs; the console: trial events
-        init_ray(space.config, log_to_driver=False, dashboard=uses_ray_train(space))
-    if store is not None:
-        store.result()  # its error, if any, as it would have come from StudyRun.create below
-    if os.environ.get("RAY_ADDRESS"):  # a cluster: nodes may still have to come (a private Ray was checked above)
-        wait_for_nodes(space, lambda text: print(f"[hpsearch.tune] {text}", flush=True))
-    if args.resume:
-        parent = StudyRun.reopen(state["tracking_uri"], state["parent_run_id"], command)
-    else:
-        parent = StudyRun.create(state["tracking_uri"], study.name, space_path=state["space_path"],
-                                 space_text=state["space_text"], command=command, params=_study_params(study),
-                                 description=space.description)
+    try:
+        with ThreadPoolExecutor(1) as pool:  # then MLflow's schema is set up while Ray starts
+            store = pool.submit(open_store, state["tracking_uri"]) if overlap else None
+            # workers' output: Ray's session logs; the console: trial events
+            init_ray(space.config, log_to_driver=False, dashboard=uses_ray_train(space))
+        if store is not None:
+            store.result()  # its error, if any, as it would have come from StudyRun.create below
+        if os.environ.get("RAY_ADDRESS"):  # a cluster: nodes may still have to come (a private Ray was checked)
+            wait_for_nodes(space, lambda text: print(f"[hpsearch.tune] {text}", flush=True))
+        if args.resume:
+            parent = StudyRun.reopen(state["tracking_uri"], state["parent_run_id"], command)
+        else:
+            parent = StudyRun.create(state["tracking_uri"], study.name, space_path=state["space_path"],
+                                     space_text=state["space_text"], command=command, params=_study_params(study),
+                                     description=space.description)
+    except BaseException:  # the study never started (a cluster that can never place a trial): its name is free
+        if not args.resume:
+            with contextlib.suppress(OSError):
+                study.dir.rmdir()  # the folder prepare claimed, while still empty
+        raise
 
     def tuner():  # within _run_and_end: a failure from here on ends the study's MLflow run, not leaves it RUNNING
         if not args.resume:
