@@ -21,6 +21,7 @@ import zipfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from hpsearch.data._util import temporary_beside
 from hpsearch.errors import UserError
 from hpsearch.remotefs import download_dir
 
@@ -278,7 +279,13 @@ def write_manifest(directory: str | Path, rank: int) -> None:
     with suppress(OSError):
         if path.read_text() == text:
             return
-    partial = path.with_name(f".{path.name}.partial")
+    write_whole(path, text)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` by a rename over it (written beside first, `temporary_beside`): a kill leaves the old
+    file or the new one, never part of one."""
+    partial = temporary_beside(path)
     partial.write_text(text)
     os.replace(partial, path)
 

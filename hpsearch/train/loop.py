@@ -318,7 +318,6 @@ def _maybe_crash(cfg, step: int, resumed: str | None, rank: int) -> None:
         os._exit(17)
 
 
-
 def _forget_evaluations_after(path: Path, step: int) -> None:
     """The run's metrics.jsonl without the lines of evaluations after `step`: a run resumed from its step-`step`
     checkpoint makes them again (each line is written just before its checkpoint is stored, so a kill in between
@@ -334,9 +333,8 @@ def _forget_evaluations_after(path: Path, step: int) -> None:
             return math.inf
     kept = [line for line in lines if evaluated_at(line) <= step]
     if len(kept) != len(lines):
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text("".join(kept))
-        os.replace(partial, path)
+        checkpoints.write_whole(path, "".join(kept))
+
 
 def _rank0_print(rank: int, text: str) -> None:
     if rank == 0:

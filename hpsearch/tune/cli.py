@@ -206,12 +206,12 @@ def _check_fits(space) -> None:
     from hpsearch.tune.cluster import trial_resources
 
     t, needs = space.config.train, trial_resources(space)
+    driver = space.resources.driver_resource
+    if driver and local_resources(gpus="GPU" in needs).get(driver, 0.0) < 1:
+        raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so no "
+                          "trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
     for as_ray_counts in (False, True):
         cluster = local_resources(gpus="GPU" in needs, as_ray_counts=as_ray_counts)
-        driver = space.resources.driver_resource
-        if driver and cluster.get(driver, 0.0) < 1:
-            raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so "
-                              "no trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
         for kind, need in needs.items():
             have = cluster.get(kind, 0.0)
             if need > have + 1e-9:

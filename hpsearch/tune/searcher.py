@@ -89,7 +89,7 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         if self._told_before(trial_id) or trial_id in self._completed_trials:
             return
         stopped_early = bool(result) and not error and result.get("step", 0) < self._max_steps
-        if stopped_early and trial_id in self._ot_trials and trial_id not in self._completed_trials:
+        if stopped_early and trial_id in self._ot_trials:
             from optuna.trial import TrialState
             self._ot_study.tell(self._ot_trials[trial_id], state=TrialState.PRUNED, skip_if_finished=True)
             self._completed_trials.add(trial_id)

@@ -21,6 +21,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rows import rank_batch  # noqa: E402
 
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.model import build_model  # noqa: E402
@@ -57,11 +58,7 @@ def engine():
 def train(e, recipe: bool) -> dict:
     probes = []
     for step in range(3):
-        g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own rows
-        batch = dict(input_ids=torch.randint(3, 200, (2, 9), generator=g),
-                     labels=torch.randint(3, 200, (2, 4), generator=g), task_ids=torch.tensor([0, 1]))
-        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-        torch.manual_seed(step)  # the same dropout masks in both engines
+        batch = rank_batch(step, rank)  # each rank its own rows; the same dropout in both engines
         e.train()
         loss = e(**batch).loss
         if step == 0:

@@ -20,6 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from rows import rank_batch  # noqa: E402
 
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.errors import UserError  # noqa: E402
@@ -49,11 +50,7 @@ def engine(stage: int, precision: str):
 
 def train(e, steps) -> None:
     for step in steps:
-        g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own rows
-        batch = dict(input_ids=torch.randint(3, 200, (2, 9), generator=g),
-                     labels=torch.randint(3, 200, (2, 4), generator=g), task_ids=torch.tensor([0, 1]))
-        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-        torch.manual_seed(step)  # the same dropout masks in both engines
+        batch = rank_batch(step, rank)  # each rank its own rows; the same dropout in both engines
         e.train()
         e.backward(e(**batch).loss.float())
         e.step()
