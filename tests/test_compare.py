@@ -279,6 +279,33 @@ def test_table_markdown_csv_and_plots(tmp_path):
         assert path.is_file() and path.stat().st_size > 10_000
 
 
+def test_a_paired_difference_says_which_seeds_it_stands_on(tmp_path):
+    from hpsearch.compare import table as tables
+    from hpsearch.compare.run import TrialResult
+
+    spec = load_spec(write(tmp_path, TINY.replace("seeds: 2", "seeds: 3")))
+    tasks = ["first", "last"]
+    results = [t for t in fake_results(spec, tasks) if t.outcome == "complete"]
+    md = tables.markdown(tables.build(spec, results, tasks, {}))
+    assert "paired over" not in md and "one seed in common" not in md  # every seed of both: nothing to say
+
+    lost = lambda label, seeds: [TrialResult(t.trial_id, t.label, t.seed, "failed", {}, {}, [], "lost")
+                                 if t.label == label and t.seed in seeds else t for t in results]
+    md = tables.markdown(tables.build(spec, lost("mtl", {2}), tasks, {}))
+    assert ("hyperprompt-global vs mtl: paired over the seeds both finished (0, 1), while the means above are "
+            "over each method's own (hyperprompt-global: 3, mtl: 2)") in md
+    assert "one seed in common" not in md
+    table = tables.build(spec, lost("mtl", {1, 2}), tasks, {})
+    (suite,) = [p for p in table.paired if p.metric == "suite"]
+    assert suite.result.seeds == [0] and not suite.result.diff.defined
+    assert "hyperprompt-global vs mtl: one seed in common, so the difference has no interval" in tables.markdown(table)
+    md = tables.markdown(tables.build(spec, lost("mtl", {0, 1, 2}), tasks, {}))
+    assert "hyperprompt-global vs mtl: no seed both finished; no paired difference" not in md  # mtl has no seed
+    disjoint = [t for t in lost("mtl", {0, 1}) if t.label == "mtl" or t.seed != 2]  # mtl: seed 2 only; hp: 0, 1
+    md = tables.markdown(tables.build(spec, disjoint, tasks, {}))
+    assert "hyperprompt-global vs mtl: no seed both finished; no paired difference" in md
+
+
 # ---- the command line: mistakes before Ray starts -------------------------------------------------------------------
 def compare_cmd(tmp_path, *args):
     return [sys.executable, "-m", "hpsearch.compare", "--storage-path", str(tmp_path / "runs"), "--tracking-uri",

@@ -123,10 +123,29 @@ def build(spec: Spec, trials: list[TrialResult], tasks: list[str], backbone_para
         for row in rows:
             if row is reference or row.label in spec.references[:i]:  # an earlier reference: already paired
                 continue
-            for metric in [SUITE, *tasks]:
-                pairs.append(PairedRow(row.label, ref, metric,
-                                       paired(row.per_seed(metric), reference.per_seed(metric), spec.stats)))
+            mine = [PairedRow(row.label, ref, metric, paired(row.per_seed(metric), reference.per_seed(metric),
+                                                             spec.stats)) for metric in [SUITE, *tasks]]
+            pairs += mine
+            notes += _pairing_notes(row, reference, mine[0].result)
     return Table(spec, tasks, rows, sweep, pairs, trials, notes)
+
+
+def _pairing_notes(row: Row, reference: Row, suite: Paired) -> list[str]:
+    """What a paired suite difference stands on, when it is not every seed of both methods: the rows' means are
+    over each method's own seeds, the difference over the seeds both finished."""
+    mine, theirs = sorted(row.per_seed(SUITE)), sorted(reference.per_seed(SUITE))
+    what = f"{row.label} vs {reference.label}"
+    if not suite.seeds:
+        return [f"{what}: no seed both finished; no paired difference"] if mine and theirs else []
+    notes = []
+    if suite.seeds != mine or suite.seeds != theirs:
+        notes.append(f"{what}: paired over the seeds both finished ({', '.join(map(str, suite.seeds))}), while "
+                     f"the means above are over each method's own ({row.label}: {len(mine)}, "
+                     f"{reference.label}: {len(theirs)})")
+    if len(suite.seeds) == 1:
+        notes.append(f"{what}: one seed in common, so the difference has no interval: it is one run's, "
+                     f"not evidence of a difference")
+    return notes
 
 
 # ---- text ----------------------------------------------------------------------------------------------------------
