@@ -166,16 +166,19 @@ def test_override_mistakes_name_the_override(tmp_path, override, message):
 
 
 # ---- --from-study -------------------------------------------------------------------------------------------------
-def fake_study(root: Path, name: str, trials: dict[str, tuple[dict, float]]) -> Path:
+SPACE = ("search:\n  model.variant: {type: categorical, choices: [share, global]}\n"
+         "  model.bottleneck: {type: categorical, choices: [8, 16]}\n"
+         "  train.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}\n")
+
+
+def fake_study(root: Path, name: str, trials: dict[str, tuple[dict, float]], space: str = SPACE) -> Path:
     """A finished study's folder as hpsearch.tune leaves it: state, space copy, trials/<id>/config.yaml+metrics."""
     from hpsearch.config import dump_yaml, load_config
 
     where = root / name
     (where / "trials").mkdir(parents=True)
     (where / "hpsearch-study.json").write_text(json.dumps({"name": name}))
-    (where / "space.yaml").write_text("search:\n  model.variant: {type: categorical, choices: [share, global]}\n"
-                                      "  model.bottleneck: {type: categorical, choices: [8, 16]}\n"
-                                      "  train.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-2}\n")
+    (where / "space.yaml").write_text(space)
     for trial_id, (fields, best) in trials.items():
         folder = where / "trials" / trial_id
         folder.mkdir()
@@ -212,6 +215,30 @@ def test_from_study_takes_each_methods_best_searched_values(tmp_path):
     assert (share.config.train.lr, share.config.model.bottleneck, share.config.model.prompt_length_encoder) == \
         (2e-3, 16, 16)
     assert any("mtl" in n for n in notes) and any("trial c" in n for n in notes)
+
+
+def test_from_study_never_gives_a_method_another_variants_values_and_keeps_continuous_overrides(tmp_path):
+    from hpsearch.compare.fromstudy import apply_best
+
+    # a study of global trials only, searching the bottleneck and the learning rate (the variant fixed, not searched)
+    space = SPACE.replace("  model.variant: {type: categorical, choices: [share, global]}\n", "")
+    fake_study(tmp_path, "s1", {
+        "b": ({"model.method": "hyperprompt", "model.variant": "global", "model.bottleneck": 8, "train.lr": 3e-3}, 80),
+        "c": ({"model.method": "hyperprompt", "model.variant": "global", "model.bottleneck": 8, "train.lr": 5e-4}, 75),
+    }, space)
+    text = TINY.replace("seeds: 2", "  hp-share: {method: hyperprompt, model.variant: share}\nseeds: 2")
+    spec = load_spec(write(tmp_path, text))
+    notes = apply_best(spec, tmp_path, "s1")
+    _, glob, share = spec.methods
+    assert glob.origin.startswith("study s1, trial b") and glob.config.train.lr == 3e-3
+    assert share.origin == "spec" and share.config.train.lr == 1e-3 and share.config.model.bottleneck == 32
+    assert "hp-share: study 's1' has no finished trial of this configuration (2 of method hyperprompt, none with " \
+        "model.variant=share)" in " ".join(notes)
+    # a command-line learning rate (searched, continuous) is kept, not matched: the best trial's other values travel
+    spec = load_spec(write(tmp_path, TINY), ["train.lr=2e-3"])
+    apply_best(spec, tmp_path, "s1")
+    glob = spec.method("hyperprompt-global")
+    assert glob.origin.startswith("study s1, trial b") and glob.config.train.lr == 2e-3
 
 
 def test_from_study_errors(tmp_path):

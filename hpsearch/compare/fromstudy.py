@@ -1,13 +1,16 @@
 """`--from-study NAME`: each method's best configuration from a finished study in the storage path.
 
 A study keeps, per trial that ran its whole budget, `trials/<id>/config.yaml` (its full run config) and
-`trials/<id>/metrics.jsonl` (every evaluation; the last line the final report with `best_score`). For every
-method of the spec, the candidates are the study's finished trials of the same `model.method` that agree with the
-fields the method sets itself among the study's searched ones (a `hyperprompt-share` entry takes the best `share`
-trial); the best by `best_score` (the validation score of the checkpoint the trial delivers) gives its values of
-the fields the study searched. What the method sets itself and what a command-line override sets are kept, and
-so are the spec's data, budget and resources: only the searched fields travel. A method without a candidate
-keeps the spec's configuration (said in the table's notes).
+`trials/<id>/metrics.jsonl` (every evaluation; the last line the final report with `best_score`). For every method
+of the spec, the candidates are the study's finished trials of the same `model.method` that agree with the fields
+the method (or a command-line override) sets itself among the study's searched ones, and with every `model.*` word
+or flag it sets, searched or fixed by the study (a `hyperprompt-share` entry takes the best `share` trial, never a
+`global` one, also from a study of global trials only). A continuous value (a learning rate, a dropout) is kept,
+never matched: no trial has exactly it. The best candidate by `best_score` (the validation score of the checkpoint
+the trial delivers) gives its values of the fields the study searched. What the method sets itself and what a
+command-line override sets are kept, and so are the spec's data, budget and resources: only the searched fields
+travel. A method without a candidate keeps the spec's configuration (the table's notes say which fields no trial
+matched).
 """
 from __future__ import annotations
 
@@ -99,11 +102,17 @@ def apply_best(spec: Spec, storage_path: str | Path, name: str) -> list[str]:
     notes, applied = [], 0
     for method in spec.methods:
         own = set(method.fields) | spec.pinned
-        candidates = [t for t in trials if t.config.model.method == method.method
-                      and all(t.config.flat()[k] == method.config.flat()[k] for k in searched if k in own)]
+        wanted = method.config.flat()
+        identity = {k for k in own if k != "model.method" and not isinstance(wanted[k], float)
+                    and (k in searched or k.startswith("model.") and isinstance(wanted[k], (str, bool)))}
+        same_method = [t for t in trials if t.config.model.method == method.method]
+        candidates = [t for t in same_method if all(t.config.flat()[k] == wanted[k] for k in identity)]
         if not candidates:
-            notes.append(f"{method.label}: study '{name}' has no finished trial of this configuration; the spec's "
-                         "configuration is used")
+            fields = ", ".join(f"{k}={wanted[k]}" for k in sorted(identity))
+            notes.append(f"{method.label}: study '{name}' has no finished trial of this configuration "
+                         f"({len(same_method)} of method {method.method}"
+                         + (f", none with {fields})" if same_method and fields else ")")
+                         + "; the spec's configuration is used")
             continue
         best = max(candidates, key=lambda t: t.best_score)
         taken = {k: best.config.flat()[k] for k in searched
@@ -124,6 +133,7 @@ def apply_best(spec: Spec, storage_path: str | Path, name: str) -> list[str]:
     if not applied:
         methods = sorted({t.config.model.method for t in trials})
         raise ConfigError(f"--from-study {name}: none of the spec's methods has a finished trial in study '{name}' "
-                          f"(its trials are of method {', '.join(methods)})")
+                          f"that agrees with its own model fields (the study's trials are of method "
+                          f"{', '.join(methods)}): " + "; ".join(notes))
     spec.sweep_entries()  # the sweep's values still valid on the new configurations
     return notes
