@@ -127,8 +127,12 @@ def test_spec_methods_overrides_and_seeds(tmp_path):
 @pytest.mark.parametrize("change, line, message", [
     (("  mtl: {method: mtl}", "  mtl: {method: ia3}"), 6, "methods.mtl.method: 'ia3' is not a method; expected one "
      "of mtl, hyperprompt"),
-    (("seeds: 2", "seeds: 0"), 9, "seeds: 0; expected an integer >= 1"),
+    (("seeds: 2", "seeds: 0"), 9, "seeds: 0; expected an integer from 1 to 1000"),
     (("seeds: 2", "seeds: [1, 1]"), 9, "seeds: [1, 1]"),
+    (("seeds: 2", "seeds: 1000000000000"), 9, "seeds: 1000000000000; expected an integer from 1 to 1000"),
+    (("seeds: 2", "seeds: [0, 4294967296]"), 9, "a list of at most 1000 distinct integers from 0 to 4294967295"),
+    (("  mtl: {method: mtl}", "  mtl: {method: mtl}\n  mt+l: {method: mtl}\n  mt_l: {method: mtl}"), 8,
+     "methods: labels 'mt+l' and 'mt_l' are one MLflow metric name ('mt_l'); rename one"),
     (("seeds: 2", "seedz: 2"), 9, "unknown key 'seedz'"),
     (("  mtl: {method: mtl}", "  mtl: {method: mtl, model.variant: share}"), 6, "method mtl does not use variant"),
     (("  mtl: {method: mtl}", "  mtl: {method: mtl, data.temperature: 2}"), 6, "not set per method"),
@@ -138,6 +142,8 @@ def test_spec_methods_overrides_and_seeds(tmp_path):
     (("name: tiny", "name: tiny\nreferences: [adapter]"), 2, "references: 'adapter' is not a method of this spec"),
     (("name: tiny", "name: tiny\nsweep: {method: mtl, field: model.prompt_length_encoder, values: [4]}"), 2,
      "method mtl does not use prompt_length_encoder"),
+    (("name: tiny", "name: tiny\nsweep: {method: hyperprompt-global, field: model.dropout, values: [null, 0.1]}"), 2,
+     "sweep.values: [None, 0.1] has a null; expected each value written out"),
     (("probe: {rows_per_task: 4", "probe: {rows_per_task: 0"), 12, "probe.rows_per_task: 0; expected an integer >= 1"),
     (("trial_cpus: 0.1}", "trial_cpus: 0.1, worker_group: ray}"), 11,
      "resources.worker_group: 'ray'; expected auto or always or pool"),
@@ -156,7 +162,7 @@ def test_spec_mistakes_are_one_line_naming_file_and_line(tmp_path, change, line,
     ("methods.lora.train.lr=1e-3", "no method 'lora' in the spec"),
     ("train.max_steps=5", "train.max_steps is not set here (set budget.max_steps)"),
     ("model.bottleneck=4", "model.bottleneck is set by method hyperprompt-global itself"),
-    ("seeds=0", "seeds: 0; expected an integer >= 1"),
+    ("seeds=0", "seeds: 0; expected an integer from 1 to 1000"),
     ("sampler.seed=1", "'sampler.seed' cannot be overridden"),
 ])
 def test_override_mistakes_name_the_override(tmp_path, override, message):
@@ -306,7 +312,7 @@ def test_table_markdown_csv_and_plots(tmp_path):
         assert path.is_file() and path.stat().st_size > 10_000
 
 
-def test_a_paired_difference_says_which_seeds_it_stands_on(tmp_path):
+def test_a_paired_difference_says_which_seeds_it_stands_on(tmp_path, monkeypatch):
     from hpsearch.compare import table as tables
     from hpsearch.compare.run import TrialResult
 
@@ -328,6 +334,14 @@ def test_a_paired_difference_says_which_seeds_it_stands_on(tmp_path):
     assert "hyperprompt-global vs mtl: one seed in common, so the difference has no interval" in tables.markdown(table)
     md = tables.markdown(tables.build(spec, lost("mtl", {0, 1, 2}), tasks, {}))
     assert "hyperprompt-global vs mtl: no seed both finished; no paired difference" not in md  # mtl has no seed
+    # a method no seed finished gets no bar in the chart (a 0 would read as a measured score), and says so
+    import matplotlib.axes
+    drawn = {}
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda ax, x, h, *a, label, **k: (
+        drawn.__setitem__(label, list(h)), real_bar(ax, x, h, *a, label=label, **k))[1])
+    tables.bar_chart(tables.build(spec, lost("mtl", {0, 1, 2}), tasks, {}), tmp_path / "scores.png")
+    assert drawn == {"mtl (no finished seed)": [], "hyperprompt-global": [64.0, 65.0, 64.0]}
     disjoint = [t for t in lost("mtl", {0, 1}) if t.label == "mtl" or t.seed != 2]  # mtl: seed 2 only; hp: 0, 1
     md = tables.markdown(tables.build(spec, disjoint, tasks, {}))
     assert "hyperprompt-global vs mtl: no seed both finished; no paired difference" in md
@@ -341,8 +355,8 @@ def compare_cmd(tmp_path, *args):
 
 @pytest.mark.parametrize("case, message", [
     ("unknown method", "methods.hyperprompt-global.method: 'hyperprompt_v2' is not a method"),
-    ("seeds 0 in the spec", "seeds: 0; expected an integer >= 1"),
-    ("--seeds 0", "--seeds: 0; expected an integer >= 1"),
+    ("seeds 0 in the spec", "seeds: 0; expected an integer from 1 to 1000"),
+    ("--seeds 0", "--seeds: 0; expected an integer from 1 to 1000"),
     ("no such study", "--from-study nope: no study 'nope' in"),
 ])
 def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, message):

@@ -44,7 +44,7 @@ def prepare(args: argparse.Namespace):
     """Everything a comparison needs, validated, before Ray or MLflow start:
     (comparison, state to save, backbone size per configuration, the suite's tasks, notes)."""
     from hpsearch.compare.fromstudy import apply_best
-    from hpsearch.compare.spec import load_spec
+    from hpsearch.compare.spec import MAX_SEEDS, load_spec
     from hpsearch.config import absolute_paths
     from hpsearch.tracking import DEFAULT_TRACKING_URI, resolve_tracking_uri
     from hpsearch.tune.cli import (
@@ -55,8 +55,9 @@ def prepare(args: argparse.Namespace):
     )
     from hpsearch.tune.storage import open_storage
 
-    if args.seeds is not None and args.seeds < 1:
-        raise ConfigError(f"--seeds: {args.seeds}; expected an integer >= 1 (3 or more for an interval)")
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        raise ConfigError(f"--seeds: {args.seeds}; expected an integer from 1 to {MAX_SEEDS} (3 or more for an "
+                          "interval)")
     overrides = list(args.overrides) + ([f"seeds={args.seeds}"] if args.seeds is not None else [])
     spec_path = Path(args.spec) if args.spec else DEFAULT_SPEC
     spec = load_spec(spec_path, overrides)

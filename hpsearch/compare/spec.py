@@ -219,6 +219,7 @@ def load_spec(path: str | Path, overrides: typing.Iterable[str] = ()) -> Spec:
                 resources, sections["stats"], sections["probe"], pinned)
     spec.references = _read_references(data.get("references"), spec, at)
     spec.sweep = _read_sweep(data.get("sweep"), spec, at)
+    _check_metric_names(spec, at)
     _validate_sections(spec, at)
     if len(spec.seeds) < 3:
         spec.notes.append(f"{len(spec.seeds)} seed(s): intervals over fewer than 3 seeds are wide or undefined")
@@ -320,12 +321,32 @@ def _override_seeds(value: str, where: str) -> Any:
         return [v.strip() for v in value.split(",") if v.strip()]
 
 
+MAX_SEEDS = 1000                       # trials: methods x seeds
+MAX_SEED = 2 ** 32 - 1                 # numpy's seeds (torch takes larger ones)
+
+
+def metric_name(text: str) -> str:
+    """MLflow metric names take letters, digits, `_ - . / :` and spaces."""
+    return re.sub(r"[^\w\-./: ]", "_", text)
+
+
+def _check_metric_names(spec: Spec, at) -> None:
+    """Two rows whose labels give one MLflow metric name (`a+b`, `a_b`) would log over each other."""
+    seen: dict[str, str] = {}
+    for m in spec.entries():
+        other = seen.setdefault(metric_name(m.label), m.label)
+        if other != m.label:
+            raise ConfigError(f"{at(f'methods.{m.parent or m.label}')}: methods: labels {other!r} and {m.label!r} "
+                              f"are one MLflow metric name ({metric_name(m.label)!r}); rename one")
+
+
 def _read_seeds(seeds: Any, where: str) -> list[int]:
-    expected = "an integer >= 1 (seeds 0 .. N-1; 3 or more for an interval) or a list of distinct integers >= 0"
+    expected = (f"an integer from 1 to {MAX_SEEDS} (seeds 0 .. N-1; 3 or more for an interval) or a list of at "
+                f"most {MAX_SEEDS} distinct integers from 0 to {MAX_SEED}")
     if isinstance(seeds, bool):
         raise ConfigError(f"{where}: seeds: {seeds!r}; expected {expected}")
     if isinstance(seeds, int):
-        if seeds < 1:
+        if not 1 <= seeds <= MAX_SEEDS:
             raise ConfigError(f"{where}: seeds: {seeds}; expected {expected}")
         return list(range(seeds))
     if isinstance(seeds, list) and seeds:
@@ -333,7 +354,7 @@ def _read_seeds(seeds: Any, where: str) -> list[int]:
             values = [coerce(s, int, f"{where}: seeds") for s in seeds]
         except ConfigError:
             raise ConfigError(f"{where}: seeds: {seeds!r}; expected {expected}") from None
-        if all(v >= 0 for v in values) and len(set(values)) == len(values):
+        if all(0 <= v <= MAX_SEED for v in values) and len(set(values)) == len(values) <= MAX_SEEDS:
             return values
     raise ConfigError(f"{where}: seeds: {seeds!r}; expected {expected}")
 
@@ -384,6 +405,9 @@ def _read_sweep(sweep: Any, spec: Spec, at) -> Sweep | None:
         raise ConfigError(f"{where_values}: sweep.values: {values!r}; expected a non-empty list of values")
     out = []
     for value in values:
+        if value is None:  # the rows are ordered, plotted and labelled by their value: each needs one
+            raise ConfigError(f"{where_values}: sweep.values: {values!r} has a null; expected each value written "
+                              "out (for the default, its value)")
         _add_method_field(item, key, value, where, METHODS, "sweep")
         probe = copy.deepcopy(method.config)
         set_field(probe, key, value, where_values)

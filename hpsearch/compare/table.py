@@ -12,13 +12,12 @@ difference, per task too; `per_seed.csv`: every trial) and a bar chart with the 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpsearch.compare.run import TrialResult
-from hpsearch.compare.spec import Method, Spec
+from hpsearch.compare.spec import Method, Spec, metric_name
 from hpsearch.compare.stats import Interval, Paired, interval, paired
 
 SUITE = "suite"
@@ -284,7 +283,9 @@ def bar_chart(table: Table, path: Path) -> Path:
         low = np.array([r.scores[g].low for g in groups], dtype=float)
         high = np.array([r.scores[g].high for g in groups], dtype=float)
         err = np.vstack([np.where(np.isfinite(low), means - low, 0), np.where(np.isfinite(high), high - means, 0)])
-        ax.bar(x - 0.4 + width * (i + 0.5), np.nan_to_num(means), width, yerr=err, capsize=2, label=r.label)
+        shown = np.isfinite(means)  # a score no seed produced gets no bar (a 0 would read as measured)
+        label = r.label if shown.any() else f"{r.label} (no finished seed)"
+        ax.bar((x - 0.4 + width * (i + 0.5))[shown], means[shown], width, yerr=err[:, shown], capsize=2, label=label)
     ax.set_xticks(x, groups)
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     ax.set_ylabel("test score")
@@ -299,11 +300,6 @@ def bar_chart(table: Table, path: Path) -> Path:
 
 
 # ---- the parent run's summary --------------------------------------------------------------------------------------
-def metric_name(text: str) -> str:
-    """MLflow metric names take letters, digits, `_ - . / :` and spaces."""
-    return re.sub(r"[^\w\-./: ]", "_", text)
-
-
 def summary(table: Table) -> dict[str, float]:
     out: dict[str, float] = {"trials_complete": sum(t.outcome == "complete" for t in table.trials),
                              "trials_failed": sum(t.outcome != "complete" for t in table.trials)}
