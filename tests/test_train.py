@@ -476,6 +476,12 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert resumed["tasks"] == pytest.approx(full["tasks"], abs=1e-6)
     assert resumed["test_score"] == pytest.approx(full["test_score"], abs=1e-6)
     assert resumed["best_step"] == full["best_step"] and resumed["best_score"] == full["best_score"]
+    # every evaluation carries each task's score at the best step so far (what the run delivers)
+    history = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
+    for h in history:
+        (at_best,) = [e for e in history if e["step"] == h["best_step"]]
+        tasks = [k for k in at_best if k.startswith("task/") and k.endswith("/score")]
+        assert tasks and all(h[f"best_{k}"] == at_best[k] for k in tasks), h
     # restored at its last step (the run had finished): nothing to train, the finished run's result is reported
     again = final_json(run_train("--local", *FAST, f"train.output_dir={tmp_path}/again",
                                  "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_40")))
@@ -553,6 +559,14 @@ def test_resume_restores_an_older_best_checkpoint(tmp_path):
     resumed = final_json(run_train(*args, f"train.output_dir={tmp_path}/resumed",
                                    "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20")))
     assert resumed["best_step"] == 20 and resumed["test_score"] == pytest.approx(full["test_score"], abs=1e-6)
+    # each task's score at the best step travels with it (a task objective ranks by what the run delivers), also
+    # across the resume (the checkpoint's state); the last step's own task scores are other numbers
+    history = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
+    at_best = {k: v for k, v in history[0].items() if k.startswith("task/") and k.endswith("/score")}
+    assert history[0]["step"] == 20 and len(at_best) >= 2, history[0]
+    for run in ("full", "resumed"):
+        last = [json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")][-1]
+        assert last["step"] == 40 and {k: last[f"best_{k}"] for k in at_best} == at_best, run
 
 
 # a finished run's engine, counted in this process (automatic collection off: the count is deterministic), before

@@ -165,3 +165,32 @@ def test_deterministic_failures_are_not_retried():
     assert deterministic("UserError: checkpoint /x: refused, it holds posix.system, not only weights")
     assert not deterministic("RuntimeError: Connection reset by peer")
     assert not deterministic("ray.exceptions.ActorDiedError: The actor died unexpectedly")
+
+
+def test_a_task_objective_ranks_by_the_delivered_checkpoints_task_score_and_ties_by_that_tasks_rows(tmp_path,
+                                                                                                   monkeypatch):
+    from hpsearch.tune.space import Objective
+
+    trials = [r for r in rows() if r.outcome == "complete"]
+    for r, (last, at_best) in zip(trials, [(90.0, 70.0), (60.0, 71.5), (50.0, 72.0), (40.0, 55.0)]):
+        # the task's score at the last evaluation, and at the best suite step (the checkpoint the trial delivers)
+        r.metrics.update({"task/t0/score": last, "best_task/t0/score": at_best, "task/t0/rows": 50.0,
+                          "task/t1/rows": 50.0, "best_score": r.metrics["score"]})
+    study = Study("s", tmp_path / "s", load_space(SPACES / "default.yaml"))
+    study.space.objectives = [Objective("task/t0/score", "max")]
+    assert study.space.primary.final_metric == "best_task/t0/score"
+    monkeypatch.setattr(report, "collect", lambda study, grid: trials)
+    built = report.build(study, None, tmp_path / "plots")
+    assert built.best.trial_id == "c"  # 72.0 at its best step; a (90 at its last step) delivers 70
+    # c leads b by 0.5, less than one t0 example (100 / 50 = 2.0); in suite points (1.0) it would be so too, so
+    # widen the lead to 1.5: a tie by t0's yardstick, not by the suite's
+    trials[2].metrics["best_task/t0/score"] = 73.0
+    text = report.render(report.build(study, None, tmp_path / "plots"), 1.0, "MLflow: x")
+    assert "a tie: the best leads the next trial by 1.50 points, less than one example's worth (2.00)" in text
+    # a loss, a time or a parameter count has no example's worth: never a tie line
+    for metric, mode in (("loss", "min"), ("step_time", "min"), ("extra_params", "min")):
+        for r, v in zip(trials, [0.80, 1.90, 0.81, 2.0]):
+            r.metrics[metric] = v
+        study.space.objectives = [Objective(metric, mode)]
+        text = report.render(report.build(study, None, tmp_path / "plots"), 1.0, "MLflow: x")
+        assert "a tie" not in text, metric

@@ -220,9 +220,13 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 if metrics["score"] > best["score"]:  # weights only, once; later checkpoints refer to them
                     filesystem, folder = session.best_dir()
                     best = {"score": metrics["score"], "step": step,
-                            "weights": checkpoints.best_weights_path(filesystem, folder, step, rank)}
+                            "weights": checkpoints.best_weights_path(filesystem, folder, step, rank),
+                            "tasks": {k: v for k, v in metrics.items()
+                                      if k.startswith("task/") and k.endswith("/score")}}
                     checkpoints.save_best(engine, rank, filesystem, best["weights"])
-                metrics.update(best_score=best["score"], best_step=best["step"])  # what the run delivers so far
+                # what the run delivers so far: its best step's suite score, and each task's score at that step
+                metrics.update(best_score=best["score"], best_step=best["step"],
+                               **{f"best_{k}": v for k, v in best.get("tasks", {}).items()})
                 final = metrics
                 with session.staging() as ckpt:  # beside where the session keeps it: stored by a rename
                     if step < cfg.train.max_steps:

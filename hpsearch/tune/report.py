@@ -283,7 +283,8 @@ def render(report: Report, elapsed_s: float, mlflow_line: str) -> str:
 
 def _yardstick_lines(report: Report) -> list[str]:
     """The best trial's scores beside majority-class and chance on the same splits; a tie when it leads the
-    runner-up by less than one example's worth of suite score."""
+    runner-up by less than one example's worth of the score it is ranked by (the suite's, or one task's; other
+    objectives, a loss or a time, have no such yardstick)."""
     best, m = report.best, report.best.metrics
     lines = []
     for split, score, prefix in (("validation", "best_score", ""), ("test", "test_score", "test_")):
@@ -292,11 +293,17 @@ def _yardstick_lines(report: Report) -> list[str]:
             verdict = "beats" if m[score] > majority else "DOES NOT beat"
             lines.append(f"  {split}: {m[score]:.1f} vs majority class {majority:.1f}, chance {chance:.1f} "
                          f"({verdict} always predicting the majority class)")
-    tag = "task"
-    rows = [m[k] for k in m if k.startswith(f"{tag}/") and k.endswith("/rows") and _finite(m[k]) and m[k] > 0]
-    if rows:
-        step = 100.0 / (len(rows) * min(rows))  # one example of the smallest task, in suite-score points
-        primary = report.study.space.primary
+    primary = report.study.space.primary
+    rows = {k.split("/")[1]: m[k] for k in m if k.startswith("task/") and k.endswith("/rows") and _finite(m[k])
+            and m[k] > 0}
+    task = primary.metric.split("/")[1] if primary.metric.startswith("task/") else None
+    if primary.metric in ("score", "best_score") and rows:
+        step = 100.0 / (len(rows) * min(rows.values()))  # one example of the smallest task, in suite-score points
+    elif task in rows:
+        step = 100.0 / rows[task]  # one example of that task
+    else:
+        step = None
+    if step is not None:
         others = sorted((primary.final_value(r.metrics) for r in report.rows
                          if r is not best and r.outcome == "complete" and _finite(primary.final_value(r.metrics))),
                         reverse=primary.mode == "max")

@@ -55,8 +55,11 @@ class Objective:
     @property
     def final_metric(self) -> str:
         """What a trial is ranked by at its end: the model it delivers is its best-validation checkpoint, so the
-        suite score's final value is `best_score` (ASHA still compares the current `metric` at its rungs)."""
-        return "best_score" if self.metric == "score" else self.metric
+        suite score's final value is `best_score`, and a task's `best_task/<t>/score` (that task's score at the best
+        step; ASHA still compares the current `metric` at its rungs)."""
+        if self.metric == "score":
+            return "best_score"
+        return f"best_{self.metric}" if self.metric.startswith("task/") else self.metric
 
     def final_value(self, metrics: dict):
         return metrics.get(self.final_metric, metrics.get(self.metric))
