@@ -16,7 +16,9 @@ its task parameters start two ways, each tuned on the same k training rows (draw
 Tuning trains the method's own parameters with the backbone frozen (AdamW, no weight decay, so the other tasks'
 rows do not move), `--steps` full-batch steps on the k rows. The test split of the new task (its first
 `--eval-rows` rows, the same for every seed) is scored after tuning; a task without a training split here (SciTail
-in ../shared/data/glue is its labelled test split only) draws its shots from the test rows after the scored ones.
+in ../shared/data/glue is its labelled test split only) draws its shots from the test rows after the scored ones
+that share no input text (a premise, a hypothesis) with a scored row. The new task's targets are encoded whole,
+also when the source run's `data.max_target_length` is shorter than its label words in the source's tokenizer.
 The result: per seed and init, the test score; per init, the mean with a 95 % t interval over seeds; and the paired
 difference nearest - scratch. Written as
 `transfer.json` and `transfer.md` in `--out` (default `runs/transfer/<task>-<k>shot`) and printed.
@@ -51,6 +53,25 @@ def find_run(path: str) -> tuple[Path, Path]:
             return run, model
     raise ConfigError(f"--from: {path} is not a run's output folder (expected config.yaml and a model/ export "
                       "inside, as `python -m hpsearch.train` writes to train.output_dir)")
+
+
+def disjoint_from(pool: list, scored: list, fields) -> list:
+    """The examples of `pool` that share no input text with an example of `scored`. SciTail pairs each hypothesis
+    with many premises (171 hypotheses in its 2,126 test rows, spread through the file), and rows of one hypothesis
+    mostly share a label: a shot sharing one with a scored row would carry that row's label."""
+    seen = {part for example in scored for part in input_texts(example.source, fields)}
+    return [example for example in pool if not seen & input_texts(example.source, fields)]
+
+
+def input_texts(source: str, fields) -> set[tuple[str, str]]:
+    """(field, text) of each input field of a source text `<task> <field>: <text> <field>: <text> ...`
+    (TaskSpec.source_text), read from the end."""
+    out = set()
+    for field in reversed(fields[1:]):
+        source, _, text = source.rpartition(f" {field}: ")
+        out.add((field, text))
+    out.add((fields[0], source.partition(f"{fields[0]}: ")[2]))
+    return out
 
 
 def grow(trained, grown, source: int | None) -> None:
@@ -110,6 +131,7 @@ def run(args) -> dict:
     from hpsearch.compare.stats import paired, t_interval
     from hpsearch.config import load_config
     from hpsearch.data import encode_batch, get_task, get_tokenizer, load_suite
+    from hpsearch.data.tokenizer import longest_target
     from hpsearch.model import build_from_config, build_model
 
     run_dir, model_dir = find_run(args.source)
@@ -131,13 +153,21 @@ def run(args) -> dict:
     target = load_suite(target_cfg)
     all_test = target.split(task, "test")
     test_rows, pool, shots_from = all_test[:args.eval_rows], target.split(task, "train"), "train"
-    if len(pool) < args.shots:  # e.g. SciTail here: a labelled test split only; shots never overlap scored rows
-        pool, shots_from = all_test[args.eval_rows:], f"test rows after the first {len(test_rows)} (no train split)"
+    if len(pool) < args.shots:  # e.g. SciTail here: a labelled test split only
+        pool = disjoint_from(all_test[args.eval_rows:], test_rows, get_task(task).fields)
+        shots_from = (f"test rows after the first {len(test_rows)} (no train split) sharing no premise, hypothesis "
+                      f"or other input text with a scored row: {len(pool)} of {len(all_test) - len(test_rows)}")
     if len(pool) < args.shots or not test_rows:
         raise ConfigError(f"--shots: {task} has {len(pool)} rows to draw {args.shots} shots from and "
                           f"{len(test_rows)} test rows to score here; lower --shots or --eval-rows")
     # the source run's tokenizer (an offline shape's BPE is trained on the source suite's training texts)
     tokenizer = get_tokenizer(cfg.model.backbone, cfg.data, load_suite(cfg.data), trained.t5.config.vocab_size)
+    longest, _, word = longest_target(tokenizer, [task])
+    if longest + 1 > target_cfg.max_target_length:  # the new task's target words, whole (else never parsed)
+        print(f"[hpsearch.transfer] {task}'s target {word!r} is {longest} tokens in the source run's tokenizer: "
+              f"its targets are {longest + 1} long here (the source run's data.max_target_length is "
+              f"{target_cfg.max_target_length})", flush=True)
+        target_cfg.max_target_length = longest + 1
     new_id = len(trained.tasks)
     results: dict[str, dict[int, float]] = {init: {} for init in INITS}
     chosen: dict[int, str] = {}

@@ -4,6 +4,7 @@ to end on 4 SciTail shots from a model trained here."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,24 @@ def test_default_nearest_task_is_the_lowest_loss_task(batch):
     assert len(set(losses)) == 3 and trained.nearest_task(rows) == losses.index(min(losses))
 
 
+def test_shots_drawn_from_test_rows_share_no_input_text_with_a_scored_row():
+    """SciTail: one hypothesis, many premises, spread through the file; its rows mostly share a label."""
+    from hpsearch.data import get_task
+    from hpsearch.transfer import disjoint_from
+
+    spec = get_task("scitail")
+    rows = [json.loads(line) for line in open(GLUE / "scitail" / "test.jsonl")]
+    examples = [spec.example(r) for r in rows]
+    shared = [r for r in rows[200:] if r["hypothesis"] in {s["hypothesis"] for s in rows[:200]}]
+    assert len(shared) > 500  # what the shots were drawn from before
+    pool = disjoint_from(examples[200:], examples[:200], spec.fields)
+    # the same rows, picked from the raw fields (whitespace as the source text has it)
+    norm = lambda text: " ".join(text.split())
+    texts = {norm(r[f]) for r in rows[:200] for f in spec.fields}
+    expected = [e for r, e in zip(rows[200:], examples[200:]) if not {norm(r[f]) for f in spec.fields} & texts]
+    assert 900 < len(pool) < 1200 and pool == expected
+
+
 def transfer(*args, cwd):
     return subprocess.run([sys.executable, "-m", "hpsearch.transfer", *args], capture_output=True, text=True,
                           timeout=600, cwd=cwd)
@@ -110,7 +129,7 @@ def test_transfer_end_to_end_on_4_scitail_shots(tmp_path):
     train = subprocess.run([sys.executable, "-m", "hpsearch.train", "--local", "model.method=pha",
                             "data.batching=mixed", "train.max_steps=10", "train.eval_every=10",
                             "train.micro_batch_size=8", "data.synthetic_train_rows=100",
-                            "data.synthetic_eval_rows=20", f"train.output_dir={src}"],
+                            "data.synthetic_eval_rows=20", "data.max_target_length=3", f"train.output_dir={src}"],
                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     out = transfer("--from", str(src), "--task", "scitail", "--shots", "4", "--seeds", "2", "--steps", "3",
@@ -119,6 +138,11 @@ def test_transfer_end_to_end_on_4_scitail_shots(tmp_path):
     result = json.loads((tmp_path / "out" / "transfer.json").read_text())
     assert result["method"] == "pha" and result["task"] == "scitail" and result["shots"] == 4
     assert result["test_rows"] == 16 and result["shots_from"].startswith("test rows after the first 16")
+    assert "sharing no premise, hypothesis or other input text with a scored row" in result["shots_from"]
+    # the source run kept 3 target tokens, which its tokenizer (trained on the synthetic suite) needs more than for
+    # 'entailment': the new task's targets are kept whole (else no 'entailment' row could ever be scored right)
+    assert re.search(r"scitail's target '\w+' is (\d+) tokens in the source run's tokenizer: its targets are \d+ "
+                     r"long here \(the source run's data.max_target_length is 3\)", out.stdout), out.stdout[-2000:]
     for init in ("nearest", "scratch"):
         assert set(result["scores"][init]) == {"0", "1"}
         assert all(0 <= v <= 100 for v in result["scores"][init].values())

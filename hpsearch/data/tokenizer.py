@@ -40,11 +40,8 @@ def get_tokenizer(backbone: str, cfg: DataConfig, suite, vocab_size: int):
     return train_tokenizer(list(_corpus(suite)), size, cache_path(cfg.cache_dir, "tokenizers"))
 
 
-def check_targets_fit(tokenizer, tasks: Sequence[str], max_target_length: int, max_new_tokens: int) -> None:
-    """Every target of every task fits what training keeps (`data.max_target_length`, its end token included) and
-    what evaluation generates (`train.max_new_tokens`), in this tokenizer's tokens: else a cut label word would
-    never parse (a perfect model scored 44.9 on RTE with 'not_entailment' in 9 tokens of a 300-token vocabulary) and
-    a cut number would train on another value ('3' for '3.8'). A ConfigError naming the field and what would fit."""
+def longest_target(tokenizer, tasks: Sequence[str]) -> tuple[int, str | None, str | None]:
+    """(tokens, task, target word) of the longest target of `tasks` in this tokenizer (end token not counted)."""
     from hpsearch.data.tasks import get_task
 
     longest, task, text = 0, None, None
@@ -53,6 +50,15 @@ def check_targets_fit(tokenizer, tasks: Sequence[str], max_target_length: int, m
             n = len(tokenizer(target, add_special_tokens=False).input_ids)
             if n > longest:
                 longest, task, text = n, name, target
+    return longest, task, text
+
+
+def check_targets_fit(tokenizer, tasks: Sequence[str], max_target_length: int, max_new_tokens: int) -> None:
+    """Every target of every task fits what training keeps (`data.max_target_length`, its end token included) and
+    what evaluation generates (`train.max_new_tokens`), in this tokenizer's tokens: else a cut label word would
+    never parse (a perfect model scored 44.9 on RTE with 'not_entailment' in 9 tokens of a 300-token vocabulary) and
+    a cut number would train on another value ('3' for '3.8'). A ConfigError naming the field and what would fit."""
+    longest, task, text = longest_target(tokenizer, tasks)
     if longest + 1 > max_target_length:
         raise ConfigError(f"data.max_target_length: {max_target_length} cuts {task}'s target {text!r} ({longest} "
                           f"tokens with this tokenizer, and its end token); expected at least {longest + 1}")
