@@ -118,11 +118,31 @@ def test_pearson_and_spearman_by_hand():
 
 
 def test_unparseable_predictions_count_as_wrong_and_never_crash():
-    # binary: an unparseable answer becomes the other class -> no true positive, accuracy 0
+    # binary F1 (T5's f1_score_with_invalid): an unparseable answer is the class opposite the row's
     scores = score_task("mrpc", ["???", ""], examples("mrpc", [1, 0]))
     assert scores == pytest.approx({"f1": 0.0, "accuracy": 0.0, "score": 0.0})
+    # by hand: rows 1 1 0 0, answers 1 ? 0 ? -> F1 over 1 1 0 1: tp 1, fp 1, fn 1 -> 0.5
+    scores = score_task("mrpc", ["equivalent", "?", "not_equivalent", "?"], examples("mrpc", [1, 1, 0, 0]))
+    assert scores["f1"] == pytest.approx(50.0) and scores["accuracy"] == pytest.approx(50.0)
+    # CB: macro F1 over its three classes only; the unparseable answer is wrong, its own class not averaged in
     scores = score_task("cb", ["entailment", "gibberish", "neutral"], examples("cb", [0, 1, 2]))
     assert scores["accuracy"] == pytest.approx(200 / 3)
+    assert scores["macro_f1"] == pytest.approx(100 * (1 + 0 + 1) / 3)  # class 1: no true positive
+    # Matthews correlation (CoLA): an unparseable answer is a class of its own (T5): a model that never answers
+    # correlates 0, not -100 (the opposite of every row would be perfectly anti-correlated)
+    cola = examples("cola", [0, 1, 1, 0, 1, 0])
+    assert score_task("cola", ["?"] * 6, cola)["matthews_corr"] == 0.0
+    # half right, half unparseable: sklearn's multi-class MCC with the -1 class, computed independently by hand
+    answers = ["unacceptable", "acceptable", "?", "?", "?", "unacceptable"]  # -> 0 1 -1 -1 -1 0
+    t, p = [0, 1, 1, 0, 1, 0], [0, 1, -1, -1, -1, 0]
+    classes = [-1, 0, 1]
+    c = [[sum(a == i and b == j for a, b in zip(t, p)) for j in classes] for i in classes]  # confusion t x p
+    n, correct = len(t), sum(c[k][k] for k in range(3))
+    tk = [sum(c[k]) for k in range(3)]
+    pk = [sum(c[i][k] for i in range(3)) for k in range(3)]
+    mcc = (correct * n - sum(a * b for a, b in zip(tk, pk))) / math.sqrt(
+        (n * n - sum(b * b for b in pk)) * (n * n - sum(a * a for a in tk)))
+    assert mcc > 0 and score_task("cola", answers, cola)["matthews_corr"] == pytest.approx(100 * mcc)
     # numbers: unparseable -> -1; y = -1 2 3 4 against 1 2 3 4 (ranks identical, Pearson by hand)
     ex = [Example("x", "", label) for label in (1.0, 2.0, 3.0, 4.0)]
     scores = score_task("stsb", ["one", "2", "3", "4"], ex)
