@@ -155,3 +155,12 @@ def test_empty_train_file_is_an_error_before_any_worker(folder):
     write(folder, "rte", "train", [])
     with pytest.raises(DataError, match="rte/train.jsonl: no rows"):
         load(folder)
+
+
+def test_a_large_tasks_train_file_with_too_few_rows_for_its_validation_says_so(folder):
+    sst2 = [{"sentence": f"s {i}", "label": i % 2} for i in range(500)]
+    write(folder, "sst2", "train", sst2)
+    write(folder, "sst2", "validation", sst2[:10])
+    with pytest.raises(DataError, match=r"sst2/train.jsonl: 500 rows, all of them validation: sst2's protocol \(large: "
+                                        r"1000 train rows -> validation.*expected more than 1000 rows"):
+        load(folder, tasks=["sst2"])

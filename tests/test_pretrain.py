@@ -142,6 +142,9 @@ def test_a_batch_is_its_pieces_corrupted(tmp_path):
     assert full.heldout[0][0] == spans_first and full.heldout[0][1] == [*full.chunks.heldout[0], full.eos]
     with pytest.raises(ConfigError, match="corpus.targets: 'all' is not one of spans, full"):
         load_pretrain_config(None, ["corpus.targets=all"])
+    for bad in ("nan", "inf", "0.5"):  # nan < 1 is False: it passed, then int(nan) was a traceback
+        with pytest.raises(ConfigError, match=r"corpus.mean_span_length: .*; expected a finite number >= 1"):
+            load_pretrain_config(None, [f"corpus.mean_span_length={bad}"])
 
 
 # ---- the corpus ----------------------------------------------------------------------------------------------------

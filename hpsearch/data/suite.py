@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpsearch.data.config import DataConfig
-from hpsearch.data.protocol import apply_protocol, cap_rows
+from hpsearch.data.protocol import LARGE_VALIDATION_ROWS, apply_protocol, cap_rows
 from hpsearch.data.sources import load_raw, resolve_tasks
 from hpsearch.data.spec import Example, TaskSpec
 from hpsearch.data.tasks import get_task
@@ -76,6 +76,12 @@ def load_suite(cfg: DataConfig) -> Suite:
             splits[split] = capped
         train_file = Path(cfg.source, task, "train.jsonl") if cfg.source not in ("synthetic", "hub") else None
         if not splits["train"] and train_file is not None and train_file.is_file():  # present but empty
+            rows = len(raw[task].get("train", []))
+            if rows:  # a large task's protocol took every row for validation
+                raise DataError(f"{train_file}: {rows} rows, all of them validation: {task}'s protocol ({protocol}) "
+                                f"takes the first {LARGE_VALIDATION_ROWS} shuffled training rows for validation; "
+                                f"expected more than {LARGE_VALIDATION_ROWS} rows (or remove the file: evaluation "
+                                "only)")
             raise DataError(f"{train_file}: no rows; remove the file (evaluation only) or give it training rows")
         data[task] = TaskData(spec, splits, protocol, notes)
     return Suite(cfg.source, data)

@@ -15,6 +15,7 @@ backbone fine-tuned no better than random weights (README).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,8 @@ class CorpusConfig:
             raise ConfigError(f"corpus.noise_density: {self.noise_density!r}; expected 0 < density < 1")
         if self.targets not in ("spans", "full"):
             raise ConfigError(f"corpus.targets: {self.targets!r} is not one of spans, full")
-        if self.mean_span_length < 1:
-            raise ConfigError(f"corpus.mean_span_length: {self.mean_span_length!r}; expected >= 1")
+        if not 1 <= self.mean_span_length < math.inf:  # nan and inf too
+            raise ConfigError(f"corpus.mean_span_length: {self.mean_span_length!r}; expected a finite number >= 1")
         if self.max_length < 8:
             raise ConfigError(f"corpus.max_length: {self.max_length!r}; expected an integer >= 8")
         if self.heldout_chunks < 1:
