@@ -388,6 +388,25 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
     assert len(ostudy.trials) == 3 and all(t.state.name in ("COMPLETE", "PRUNED") for t in ostudy.trials)
     assert [s.study_name for s in optuna.get_all_study_summaries(f"sqlite:///{tmp_path}/optuna.db")] == ["resume"]
     assert os.path.isfile(tmp_path / "runs" / "resume" / "hpsearch-study.json")
+    # the report's time is the driver's over both runs, not the resume's alone
+    summary = Path(client.download_artifacts(parents[0].info.run_id, "report/summary.txt", str(tmp_path))).read_text()
+    minutes = float(re.search(r"3 trials in ([\d.]+) min", summary).group(1))
+    state = json.loads((tmp_path / "runs" / "resume" / "hpsearch-study.json").read_text())
+    assert state["finished"] == {"outcome": "report logged", "code": 0} and minutes == round(state["elapsed_s"] / 60, 1)
+    # a --resume of the finished study: nothing runs (no Ray), nothing is logged again, the report stays as it was
+    parent = parents[0]
+    logged = {k: client.get_metric_history(parent.info.run_id, k) for k in parent.data.metrics}
+    stored = [a.path for a in client.list_artifacts(parent.info.run_id)]
+    again = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "resume", "--storage-path",
+                            str(tmp_path / "runs"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and "study 'resume' already finished (report logged): nothing to resume" in \
+        again.stdout, again.stdout + again.stderr[-3000:]
+    run = client.get_run(parent.info.run_id)
+    assert (run.info.status, run.info.end_time, run.data.tags["hpsearch.resumed"]) == \
+        ("FINISHED", parent.info.end_time, "1")
+    assert {k: client.get_metric_history(parent.info.run_id, k) for k in run.data.metrics} == logged
+    assert [a.path for a in client.list_artifacts(parent.info.run_id)] == stored  # no command-resume-*.txt added
 
 
 @pytest.mark.slow

@@ -227,6 +227,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     study, state = prepare(args)
     command = shlex.join(["python", "-m", "hpsearch.tune", *argv])
+    if args.resume and state.get("finished"):  # its report is written and logged: nothing to run, nothing to log
+        from hpsearch.tracking import ui_command
+        done = state["finished"]
+        print(f"[hpsearch.tune] study '{study.name}' already finished ({done['outcome']}): nothing to resume; its "
+              f"report is in MLflow {state['tracking_uri']}, run {state['parent_run_id']} (report/summary.txt); "
+              f"open the UI: {ui_command(state['tracking_uri'])}", flush=True)
+        return done["code"]
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -311,7 +318,9 @@ def _run(study: Study, parent, tuner) -> int:
 
     started = time.time()
     result_grid = fit(tuner)
-    elapsed = time.time() - started
+    # the driver's time over every run of the study (a resume's report said only its own: "in 0.0 min")
+    elapsed = study.update_state(elapsed_s=load_state(study.dir).get("elapsed_s", 0.0)
+                                 + time.time() - started)["elapsed_s"]
     left = unfinished(study)
     if left:
         parent.finish("KILLED")
@@ -346,6 +355,8 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     study.storage.push(study.name, "report")
     all_failed = report.counts()["failed"] == len(report.rows)
     parent.finish("FAILED" if all_failed else "FINISHED", over=True)
+    study.update_state(finished={"outcome": "every trial failed" if all_failed else "report logged",
+                                 "code": 1 if all_failed else 0})
     if all_failed and any("no space left on device" in row.error for row in report.rows):
         # the trials filled the disk (a checkpoint, an export) while the study's own writes still fit: one line, as
         # when they do not

@@ -115,6 +115,12 @@ class Study:
         (self.dir / SPACE_COPY).write_text(state["space_text"])
         self.storage.push(self.name, STATE_FILE, SPACE_COPY)
 
+    def update_state(self, **values) -> dict:
+        """Set `values` in the saved state (the driver's time so far; that the study finished) and return it."""
+        state = {**load_state(self.dir), **values}
+        self.save_state(state)
+        return state
+
 
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
