@@ -12,6 +12,7 @@ only process that writes. This module imports no Ray: the commands check a track
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -143,6 +144,17 @@ def git_commit(cwd: str | Path = ".") -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return os.environ.get("HPSEARCH_GIT_COMMIT") or "unknown"
+
+
+_UNREACHABLE = re.compile(r"API request to (\w+://[^/\s]+)\S* failed with exception .*?"
+                          r"(Max retries exceeded|Connection refused|timed out|Connection aborted)")
+
+
+def unreachable(e: BaseException) -> str | None:
+    """The MLflow server an error says stopped answering (MLflow's own retries spent), or None. Also from the text
+    of Tune's `TuneError`, which carries a callback's error as its traceback's text."""
+    match = _UNREACHABLE.search(str(e))
+    return match.group(1) if match else None
 
 
 def _client(uri: str):

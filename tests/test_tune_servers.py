@@ -2,6 +2,9 @@
 receives the parent, the children, their metrics, system metrics and artifacts."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,22 +38,30 @@ def wait_http(url: str, proc, timeout: float) -> bool:
     return False
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
+@contextlib.contextmanager
+def running_mlflow_server(tmp_path):
+    """(its URI, its process, the leader of a session of its own: os.killpg stops the server and its workers)."""
     port = free_port()
     mlflow = Path(sys.executable).parent / "mlflow"
     log = open(tmp_path / "mlflow-server.log", "w")
     proc = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port),
                              "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
                              "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
     try:
         assert wait_http(f"http://127.0.0.1:{port}/health", proc, 240), (tmp_path / "mlflow-server.log").read_text()
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
-        proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         log.close()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    with running_mlflow_server(tmp_path) as (uri, _):
+        yield uri
 
 
 def test_study_tracks_to_an_mlflow_server_with_system_metrics(tmp_path, mlflow_server):
@@ -79,3 +90,37 @@ def test_study_tracks_to_an_mlflow_server_with_system_metrics(tmp_path, mlflow_s
         assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system, system
         assert client.get_metric_history(child.info.run_id, "system/cpu_utilization_percentage")
         assert "config.yaml" in {a.path for a in client.list_artifacts(child.info.run_id)}
+
+
+def test_an_mlflow_outage_stops_the_study_in_one_line_naming_the_resume_command(tmp_path):
+    """The server dies while a trial trains: once MLflow's retries are spent (cut short here), the study stops with
+    one line naming the server and the `--resume` command; it did not wait out the retries again to end runs it
+    cannot reach (about 4 min with MLflow's defaults), nor print Tune's wrapped tracebacks (390 lines)."""
+    with running_mlflow_server(tmp_path) as (uri, server):
+        env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+        study = subprocess.Popen([sys.executable, "-m", "hpsearch.tune", "--name", "outage", "--storage-path",
+                                  str(tmp_path / "runs"), "--tracking-uri", uri, "--num-samples", "2",
+                                  "budget.max_steps=600", "budget.eval_every=100", "budget.grace_period=600",
+                                  "train.log_every=100", *SHORT[4:], "resources.workers=1",
+                                  "resources.max_concurrent=1"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            client, deadline = MlflowClient(uri), time.time() + 600
+            while time.time() < deadline and study.poll() is None:  # a trial's first evaluation reached MLflow
+                with contextlib.suppress(Exception):
+                    runs = client.search_runs([client.get_experiment_by_name("hpsearch/outage").experiment_id])
+                    if any("score" in r.data.metrics for r in runs):
+                        break
+                time.sleep(0.5)
+            assert study.poll() is None, study.stderr.read()[-3000:]
+            os.killpg(server.pid, signal.SIGKILL)
+            out, err = study.communicate(timeout=600)
+        finally:
+            if study.poll() is None:
+                study.kill()
+    assert study.returncode == 2, err[-3000:]
+    assert f"error: the MLflow server {uri} stopped answering (MLflow's retries spent): the study stopped, its " \
+        "MLflow runs left RUNNING; once the server answers, continue with: python -m hpsearch.tune --name outage " \
+        f"--storage-path {tmp_path / 'runs'} --resume" in err.splitlines(), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

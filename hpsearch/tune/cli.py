@@ -304,6 +304,12 @@ def _run_and_end(study: Study, parent, make_tuner) -> int:
         raise
     except Exception as e:  # e.g. Tune's own state, a trial's error file or the report could not be written
         from hpsearch.errors import disk_full
+        from hpsearch.tracking import unreachable
+        server = unreachable(e)
+        if server:  # ending the runs would wait out MLflow's retries again, and fail: a resume reopens them
+            raise UserError(f"the MLflow server {server} stopped answering (MLflow's retries spent): the study "
+                            f"stopped, its MLflow runs left RUNNING; once the server answers, continue with: "
+                            f"{_resume_command(study)}") from None
         parent.finish("FAILED")
         if disk_full(e) or (not study.storage.remote and shutil.disk_usage(study.dir.parent).free < 2**20):
             raise _no_space(study, resume=True) from None
