@@ -3,6 +3,7 @@ receives the parent, the children, their metrics, system metrics and artifacts."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -71,6 +72,9 @@ def test_study_tracks_to_an_mlflow_server_with_system_metrics(tmp_path, mlflow_s
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"mlflow ui --backend-store-uri {mlflow_server}" not in out.stdout  # a server needs no `mlflow ui`
+    # its Optuna record beside the studies, not in the working directory (a `ray job`'s is a throwaway copy)
+    state = json.loads((tmp_path / "runs" / "srv" / "hpsearch-study.json").read_text())
+    assert state["optuna_storage"] == f"sqlite:///{tmp_path}/runs/optuna.db" and not (tmp_path / "optuna.db").exists()
     client = MlflowClient(mlflow_server)
     experiment = client.get_experiment_by_name("hpsearch/srv")
     runs = client.search_runs([experiment.experiment_id])

@@ -401,6 +401,18 @@ def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
     assert searcher._ot_study.trials[0].value == 0.5  # Optuna is told the best-validation score, not the last
 
 
+def test_the_default_optuna_database_is_beside_the_mlflow_store_or_the_studies(tmp_path, monkeypatch):
+    """A cluster's study tracks to an MLflow server and runs as a `ray job`, whose working directory is a copy the
+    next cluster does not have: its Optuna record goes beside the studies (shared storage), where --resume finds it."""
+    from hpsearch.tune.optuna_store import default_url
+
+    assert default_url(f"sqlite:///{tmp_path}/db/mlflow.db", tmp_path / "runs") == f"sqlite:///{tmp_path}/db/optuna.db"
+    assert default_url("http://127.0.0.1:5000", tmp_path / "runs") == f"sqlite:///{tmp_path}/runs/optuna.db"
+    monkeypatch.chdir(tmp_path)
+    assert default_url("http://127.0.0.1:5000") == f"sqlite:///{tmp_path}/optuna.db"  # a bucket's study
+    # (a study against a real MLflow server records this: tests/test_tune_servers.py)
+
+
 def test_optuna_study_lives_in_its_database_and_a_restored_searcher_continues_it(tmp_path):
     from optuna.trial import TrialState
 

@@ -86,7 +86,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     else:
         space = load_space(space_path, overrides)
         uri = uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)
-        optuna_url = optuna_url or optuna_store.default_url(uri)
+        optuna_url = optuna_url or optuna_store.default_url(uri, None if storage.remote else storage.local_root)
         recorded = optuna_store.recorded_studies(optuna_url)  # nothing created yet
         name = args.name or _next_free_study(storage, space.name, recorded)
         study_dir = _study_dir(storage, name)

@@ -1,10 +1,11 @@
 """The study's Optuna record in a database: `optuna.storages.RDBStorage`, one Optuna study per hpsearch study.
 
-Default: a sqlite file `optuna.db` beside a sqlite MLflow store (`sqlite:///…/mlflow.db`), else in the working
-directory; `--optuna-storage URL` takes any SQLAlchemy URL (`postgresql://…`, `mysql+pymysql://…`). The Optuna
-study's name is the study's name, so `optuna.load_study(study_name=NAME, storage=URL)` reads every trial (COMPLETE,
-PRUNED for ASHA-stopped, FAIL) with its params and intermediate values, `optuna-dashboard URL` shows it live, and
-`--resume` continues the same Optuna study (Ray's saved searcher holds the storage by its URL).
+Default: a sqlite file `optuna.db` beside a sqlite MLflow store (`sqlite:///…/mlflow.db`), else in the local storage
+path (beside the studies), else (a bucket) in the working directory; `--optuna-storage URL` takes any SQLAlchemy URL
+(`postgresql://…`, `mysql+pymysql://…`). The Optuna study's name is the study's name, so
+`optuna.load_study(study_name=NAME, storage=URL)` reads every trial (COMPLETE, PRUNED for ASHA-stopped, FAIL) with
+its params and intermediate values, `optuna-dashboard URL` shows it live, and `--resume` continues the same Optuna
+study (Ray's saved searcher holds the storage by its URL).
 """
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from hpsearch.errors import ConfigError
 FILE_NAME = "optuna.db"
 
 
-def default_url(tracking_uri: str) -> str:
+def default_url(tracking_uri: str, storage_folder: Path | None = None) -> str:
+    """Beside a sqlite MLflow store; else in the studies' local folder (`storage_folder`, the storage path: a
+    `ray job`'s working directory is a copy the next cluster does not have); else (a bucket) the working
+    directory."""
     if tracking_uri.startswith("sqlite:///"):
         return f"sqlite:///{Path(tracking_uri.removeprefix('sqlite:///')).parent / FILE_NAME}"
-    return f"sqlite:///{Path.cwd() / FILE_NAME}"
+    return f"sqlite:///{(storage_folder or Path.cwd()).resolve() / FILE_NAME}"
 
 
 def resolve_url(url: str) -> str:
