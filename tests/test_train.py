@@ -710,6 +710,35 @@ def test_cpu_offload_of_optimizer_and_parameters_trains(tmp_path):
     assert out["step"] == 6 and out["loss"] == out["loss"]  # finite
 
 
+SLOW_FIRST_BATCH = """
+import sys, time
+from hpsearch.cli import run_main
+from hpsearch.train import objective
+from hpsearch.train.__main__ import main
+
+made = objective.FineTuning.batch
+def batch(self):  # the first batch takes 2 s (as step 1's one-off work: tokenization, first allocations)
+    if not getattr(self, "_made_one", False):
+        self._made_one = True
+        time.sleep(2.0)
+    return made(self)
+objective.FineTuning.batch = batch
+run_main(main, sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_step_time_leaves_out_the_runs_first_step(tmp_path):
+    """`step_time` is a step's time (the compare table's cost column; the benchmark subtracts it from a trial's wall
+    time to find its fixed cost): the first step's one-off work is the run's start-up, not spread over its steps."""
+    out = final_json(run_train("--local", "train.max_steps=8", "train.eval_every=4", "train.log_every=4",
+                               "data.synthetic_eval_rows=20", f"train.output_dir={tmp_path}", script=SLOW_FIRST_BATCH))
+    history = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [h["step"] for h in history] == [4, 8] and out["step"] == 8
+    # with the first step, 4 steps would average over 0.5 s each; a tiny model's step is far below that
+    assert history[0]["step_time"] < 0.25 and history[1]["step_time"] < 0.25, history
+
+
 def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
     """Ray Train's worker group needs the dashboard (its State API), so `init_ray(dashboard=True)` starts it on
     loopback and hands its address to every actor; without it, neither (a study whose trials never start a Train

@@ -163,7 +163,8 @@ def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, lo
                 pool.add(f"generate-dynamic:{row}", generation(model, row, batch), setup=_dynamic(model))
     if "flops" in groups:
         pool.add("peak-matmul", peak_matmul())
-        flops, flop_errors = count_flops(models, step_rows, batch)  # every step row: its figure gets a FLOP ratio
+    if step_rows:  # every step row, whichever groups run: a row's goal (1.03 x its FLOP ratio) depends on it
+        flops, flop_errors = count_flops(models, step_rows, batch)
         errors.update(flop_errors)
     log(f"timing {len(pool.entries)} entries interleaved: 1 warm-up + {reps} rounds")
     timings, failed = pool.run(reps, log)

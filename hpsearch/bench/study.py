@@ -4,7 +4,8 @@ In a study, Ray, the driver, the searcher and MLflow's parent run are up once; e
 from the previous one, its model and data, DeepSpeed, its evaluations, export and test scoring, and the trial's
 MLflow and Optuna bookkeeping. Two studies of the same space and budget, one trial and `TRIALS` trials (one at a
 time), differ by `TRIALS - 1` trials: their wall-time difference, less those trials' training steps (each trial's
-own `step_time` × steps, from its metrics.jsonl), divided by `TRIALS - 1`, is a trial's fixed cost. Measured for
+own `step_time` × steps, from its metrics.jsonl; `step_time` leaves out the first step's one-off work, which is
+start-up and so stays in the fixed cost), divided by `TRIALS - 1`, is a trial's fixed cost. Measured for
 one-worker trials that train in their own Tune actor (`resources.worker_group=auto`, the default for one worker),
 two-worker trials on the ranks their Tune actor keeps (`pool`), and, for contrast, the same trials each launching
 Ray Train's worker group (`always`). One run per point, after an untimed warm-up study that fills the tokenizer and

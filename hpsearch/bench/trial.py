@@ -6,10 +6,10 @@ trial: wall time of a trial at two step counts (one evaluation each, at the end)
     is logged, and the time its line appears splits a run into start-up, steps, and the end (parts); the run's own
     start-up line (hpsearch/train/startup.py) splits the start-up into its phases.
 checkpoint: one `--local` run evaluating after each of 2 steps; bytes the process wrote (`wchar` of
-    /proc/self/io, read at exit) minus its final outputs (export, metrics), per evaluation, over the bytes of
-    the model's weights (each parameter once): the first evaluation's resumable state (3x) and the best weights at
-    each improvement (1x), each written once (the last evaluation keeps the run's result only); plus what the best
-    weights, checkpoints/ and the export keep on disk.
+    /proc/self/io, read at exit) minus its final outputs (export, metrics), per evaluation that writes resumable
+    state (all but the last, which keeps the run's result only), over the bytes of the model's weights (each
+    parameter once): the state (3x) and the best weights at each improvement (1x), each written once; plus what
+    the best weights, checkpoints/ and the export keep on disk.
 """
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ from hpsearch.train import startup
 
 TRIAL_STEPS = (2, 8)
 FIXED_COST_GOAL = 6.0
-# resumable state (fp32 weights + 2 AdamW moments = 3x) + a weights-only best when it improves (1x), each once
-WRITTEN_GOAL, BEST_GOAL, COPIED_GOAL = 4.0, 1.0, 0.0
+# resumable state (fp32 weights + 2 AdamW moments = 3x) at each evaluation but the last (which keeps the run's
+# result only) + a weights-only best when it improves (1x), each once; headers, manifests and DeepSpeed's small
+# files within 1 % of the weights
+STATE_X, SMALL_FILES_X, BEST_GOAL, COPIED_GOAL = 3.0, 0.01, 1.0, 0.0
 SMALL_DATA = ["data.synthetic_train_rows=200", "data.synthetic_eval_rows=20"]
 TIMEOUT_S = 3600
 # the in-process groups' torch.distributed environment: not the subprocess's
@@ -179,13 +181,17 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
         kept = sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
         copied = _bytes(out / "checkpoints", lambda rel: rel.parts[0].startswith("step_") and "best" in rel.parts[1:])
         on_disk = _bytes(out / "checkpoints") if kept else 0
-    per_eval = (written - finals) / max(evaluations, 1)
+    # per evaluation that writes resumable state (every one but the last), so that a second copy of the state
+    # shows (averaged with the last evaluation's result-only write, it looked like 3.5x against a goal of 4)
+    state_evals = max(evaluations - 1, 1)
+    per_eval = (written - finals) / state_evals
     common = {"weights_bytes": weights, "evaluations": evaluations, "best_improved": improved}
     figures = [
-        Figure("checkpoint/written_per_eval", per_eval / weights, WRITTEN_GOAL, "lower", "x weights",
-               "bytes written per evaluation (--local) ÷ the model's weight bytes; goal: state + weights-only best",
+        Figure("checkpoint/written_per_eval", per_eval / weights, STATE_X + improved / state_evals + SMALL_FILES_X,
+               "lower", "x weights", "bytes written per evaluation that writes resumable state (--local) ÷ the "
+               "model's weight bytes; goal: the state (3x) once, and a weights-only best (1x) at each improvement",
                parts={**common, "bytes_written_total": written, "final_outputs_bytes": finals,
-                      "bytes_per_eval": per_eval}),
+                      "state_evaluations": state_evals, "bytes_per_eval": per_eval}),
         Figure("checkpoint/best_size", best / weights, BEST_GOAL, "lower", "x weights",
                "a version of the best weights ÷ the model's weight bytes (goal: weights only)",
                parts={**common, "best_bytes": best, "best_versions_kept": len(versions)}),

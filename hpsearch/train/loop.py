@@ -168,6 +168,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
     objective.start(engine, device)
     t_start, loss_n, log_n, t_last = time.perf_counter(), 0, 0, time.perf_counter()
+    timed_n, t_timed = 0, t_last  # step_time: the steps since the last evaluation, less this process's first
     window = Window(device)
     batches = Prefetch(objective.batch, sampler.state_dict, device)  # the next batch, made meanwhile
     # task ids stay on the CPU: the model checks them and finds the batch's tasks there (no device synchronisation)
@@ -191,10 +192,12 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 window.add(step + 1, loss, batch["attention_mask"].sum() + (batch["labels"] != -100).sum(),
                            getattr(out, "aux_losses", {}), cfg.train.grad_accum)
             step += 1
+            loss_n, log_n, timed_n = loss_n + 1, log_n + 1, timed_n + 1
+            evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
             if step == steps_at_start + 1:
                 _rank0_print(rank, startup.line({**marks, "step": time.time()}))
-            loss_n, log_n = loss_n + 1, log_n + 1
-            evaluating = step % cfg.train.eval_every == 0 or step == cfg.train.max_steps
+                if not evaluating:  # its one-off work (tokenization, first allocations) is start-up, not a step
+                    timed_n, t_timed = 0, time.perf_counter()
             logging_ = step % cfg.train.log_every == 0 or step == cfg.train.max_steps
             if not (evaluating or logging_):
                 _maybe_crash(cfg, step, resume_dir, rank)
@@ -213,7 +216,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
             if evaluating:
                 now = time.perf_counter()
                 metrics = {"step": step, "loss": sums["eval_loss"] / (loss_n * world), "lr": lr_used,
-                           "step_time": (now - t_last) / loss_n, "tokens_per_s": sums["tokens"] / (now - t_last),
+                           "step_time": (now - t_timed) / timed_n, "tokens_per_s": sums["tokens"] / (now - t_last),
                            "extra_params": extra_params,
                            **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
                 metrics.update(objective.evaluate())
@@ -246,6 +249,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                     if rank == 0 and "weights" in best:
                         session.prune_best(best["weights"])
                 loss_n, t_last = 0, time.perf_counter()
+                timed_n, t_timed = 0, t_last
                 window.eval_loss, window.tokens, window.aux = window.zero(), window.zero(), {}
             _maybe_crash(cfg, step, resume_dir, rank)
     finally:  # also on an error: no thread left making batches
