@@ -380,10 +380,10 @@ def test_the_backbone_is_hooked_only_where_the_method_has_work(name, batch, monk
         return {m.hp_site for m in model.t5.modules() if m._forward_hooks}
 
     model = perturb(make(name))
-    sites = {**base.sublayer_modules(model.t5), **base.projection_modules(model.t5)}
+    sites = {**base.sublayer_modules(model.t5), **base.projection_modules(model.t5), **base.residual_modules(model.t5)}
     hooked = hooked_sites(model)
     assert hooked == {site for site in sites if model.hooks_site(site)}
-    expected = {"mtl": set(), "prompt_tuning": set(), "prefix": set(), "lora": {"q", "v"}, "mam": {"ffn"},
+    expected = {"mtl": set(), "prompt_tuning": set(), "prefix": set(), "lora": {"q", "v"}, "mam": {"ffn_residual"},
                 "pha": {"ffn"}, "adapter-ffn": {"ffn"}, "adapter-attention": {"attention"}}
     kinds = {site[2] for site in hooked}
     assert kinds == expected.get(name, set() if name.startswith("hyperprompt") else {"attention", "ffn"}), kinds
@@ -674,6 +674,24 @@ def test_mam_feed_forward_equals_hand_written_scaled_parallel_adapter(side, batc
         want = torch.stack(out)
     assert (got - want).abs().max() <= 1e-5
     assert (got - h - ff.DenseReluDense(x)).abs().max() > 1e-2  # the adapter matters
+
+
+def test_mams_adapter_is_added_after_t5s_dropout(batch):
+    """methods.md: h + dropout(FFN(LN h)) + s * adapter(LN h). In training, with the FFN's output zeroed (so its
+    dropout adds nothing), every entry of the branch arrives whole: none dropped, none rescaled by 1 / (1 - p)."""
+    model = perturb(make("mam", config=tiny_config(dropout_rate=0.5)))
+    ff = model.t5.encoder.block[1].layer[-1]
+    with torch.no_grad():
+        ff.DenseReluDense.wo.weight.zero_()
+    model.train()
+    ff_, h, got = feed_forward_in_out(model, "encoder", 1, batch)
+    a, s = model.adapters["encoder_1"], SETUPS["mam"][1]["mam_scale"]
+    with torch.no_grad():
+        x = ff.layer_norm(h)
+        want = torch.stack([h[row] + s * (torch.relu(x[row] @ a.down_weight[t].T + a.down_bias[t])
+                                          @ a.up_weight[t].T + a.up_bias[t])
+                            for row, t in enumerate(batch["task_ids"].tolist())])
+    assert (got - want).abs().max() <= 1e-5
 
 
 # ---- PHA -----------------------------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     (side, layer, "q" | "k" | "v" | "o") (LoRA, parallel adapters)
     adapt_sublayer(ctx, site, y)    rewrite a sublayer's output y (before T5's dropout + residual; after the parallel
                                     branch); site = (side, layer, kind), kind "attention" (self-attention) or "ffn"
+    residual_branch(ctx, site, x)   a branch beside a sublayer added after T5's dropout, beside the residual:
+                                    h + dropout(sublayer(LN h)) + branch(LN h), fed x = LN h (MAM's scaled adapter);
+                                    site = (side, layer, "attention_residual" | "ffn_residual")
     hooks_site(site)                whether the backbone module at a site may need parallel_branch or adapt_sublayer
                                     (by default: every site of the ones the method fills in)
     auxiliary_losses(ctx, enc, mask)   (term added to the training loss, {name: value to log}) from the encoder
@@ -53,6 +56,7 @@ from hpsearch.model.attention import (
 Prompts = dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]
 Site = tuple[str, int, str]
 SUBLAYER_KINDS = ("attention", "ffn")
+RESIDUAL_KINDS = ("attention_residual", "ffn_residual")
 PROJECTIONS = ("q", "k", "v", "o")  # the linear maps of a T5 self-attention
 
 
@@ -156,6 +160,17 @@ def sublayer_modules(t5) -> dict[Site, nn.Module]:
     return modules
 
 
+def residual_modules(t5) -> dict[Site, nn.Module]:
+    """{(side, layer, "attention_residual" | "ffn_residual"): T5LayerSelfAttention | T5LayerFF}: the whole
+    sublayer, whose output is h + dropout(sublayer(LN h)), and whose `layer_norm` gives LN h."""
+    modules = {}
+    for side in SIDES:
+        for i, block in enumerate(getattr(t5, side).block):
+            modules[(side, i, "attention_residual")], modules[(side, i, "ffn_residual")] = block.layer[0], \
+                block.layer[-1]
+    return modules
+
+
 def projection_modules(t5) -> dict[Site, nn.Module]:
     """{(side, layer, "q" | "k" | "v" | "o"): nn.Linear} of every self-attention (not cross-attention)."""
     return {(side, i, name): getattr(attn, name)
@@ -177,6 +192,10 @@ class MultiTaskT5(nn.Module):
             module.hp_site = site
             if self.hooks_site(site):
                 module.register_forward_hook(self._sublayer_hook, with_kwargs=True)
+        for site, module in residual_modules(t5).items():
+            module.hp_site = site
+            if self.hooks_site(site):
+                module.register_forward_hook(self._residual_hook, with_kwargs=True)
         for site, module in projection_modules(t5).items():
             module.hp_site = site
             if self.hooks_site(site):
@@ -220,6 +239,10 @@ class MultiTaskT5(nn.Module):
         """The sublayer's new output [rows, n, d_model]. MTL: unchanged."""
         return output
 
+    def residual_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+        """Added to the sublayer's output after T5's dropout, given x = LN h [rows, n, d_model]. MTL: none."""
+        return None
+
     def auxiliary_losses(self, ctx: TaskContext, encoder_hidden: torch.Tensor, encoder_mask: torch.Tensor):
         """(a term added to the loss, {name: its parts to log}) on a forward with labels. MTL: none."""
         return None, {}
@@ -228,7 +251,10 @@ class MultiTaskT5(nn.Module):
         """Whether the module at `site` (a sublayer or a self-attention projection) may get a parallel branch or
         an adapted output: the base class hooks only those modules. Asked while the base class is built, so it may
         read `self.cfg` and `self.t5` only. By default every site of the hooks the method fills in (parallel_branch:
-        sublayers and projections; adapt_sublayer: sublayers); a method narrows it to the sites it uses."""
+        sublayers and projections; adapt_sublayer: sublayers; residual_branch: the whole sublayers, kinds
+        `RESIDUAL_KINDS`); a method narrows it to the sites it uses."""
+        if site[2] in RESIDUAL_KINDS:
+            return self.fills_in("residual_branch")
         branches = self.fills_in("parallel_branch")
         return branches or (site[2] in SUBLAYER_KINDS and self.fills_in("adapt_sublayer"))
 
@@ -298,6 +324,15 @@ class MultiTaskT5(nn.Module):
         branch = self.parallel_branch(self._ctx, module.hp_site, args[0] if args else kwargs["hidden_states"])
         y = self.adapt_sublayer(self._ctx, module.hp_site, y if branch is None else y + branch)
         return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    def _residual_hook(self, module, args, kwargs, output):
+        if self._ctx is None:
+            return None
+        h = args[0] if args else kwargs["hidden_states"]
+        branch = self.residual_branch(self._ctx, module.hp_site, module.layer_norm(h))
+        if branch is None:
+            return None
+        return (output[0] + branch, *output[1:]) if isinstance(output, tuple) else output + branch
 
     def _projection_hook(self, module, args, output):
         if self._ctx is None:

@@ -3,11 +3,12 @@
 Prefix tuning on every self-attention (prefix.py's prefixes and reparameterisation MLP, l = `mam_prefix_length`,
 the paper's 30) plus, in every block of both stacks, a scaled parallel adapter per task beside the feed-forward:
 
-    h' = h + dropout(FFN(LN h) + s * (U_tau ReLU(D_tau LN h + c_tau) + u_tau))    D: d -> b, U: b -> d, s = `mam_scale`
+    h' = h + dropout(FFN(LN h)) + s * (U_tau ReLU(D_tau LN h + c_tau) + u_tau)    D: d -> b, U: b -> d, s = `mam_scale`
 
 (b = `bottleneck`; the paper: s = 4, b = 512 on XSum / MT, GLUE runs l = 16, b = 16, s = 2). The branch enters
-through the base class's `parallel_branch` hook on the feed-forward sublayer, so it joins the FFN's output before
-T5's dropout (upstream adds it after the FFN's dropout; at inference the two are the same). Adapter init as the
+through the base class's `residual_branch` hook on the feed-forward sublayer: after T5's dropout, beside the
+residual, as upstream adds it after the FFN's dropout (through T5's dropout, training dropped and rescaled the
+branch with the FFN's output). Adapter init as the
 paper's code ("lora" init): D kaiming-uniform (a = sqrt 5), U and the biases zero, so a new adapter adds nothing.
 
 Extra parameters (the prefix's, with l = mam_prefix_length, plus T * M adapters, M = L_enc + L_dec):
@@ -58,11 +59,11 @@ class MAMT5(PrefixT5):
         return cfg.mam_prefix_length
 
     def hooks_site(self, site: Site) -> bool:
-        return site[2] == "ffn"  # a parallel adapter beside each feed-forward sublayer, nothing elsewhere
+        return site[2] == "ffn_residual"  # a parallel adapter beside each feed-forward sublayer, nothing elsewhere
 
-    def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+    def residual_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         side, layer, kind = site
-        if kind != "ffn":
+        if kind != "ffn_residual":
             return None
         return self.adapters[f"{side}_{layer}"](x, ctx)
 
