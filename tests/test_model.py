@@ -566,13 +566,16 @@ def hand_hyper_prompts(model):
     di = heads * dkv
     lengths = {"encoder": cfg.prompt_length_encoder, "decoder": cfg.prompt_length_decoder}
     sides = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}[cfg.placement]
+    # the paper's P_tau: one per task, one set per prompted side only when the two sides' lengths differ
+    one_set = len(sides) == 2 and lengths["encoder"] == lengths["decoder"]
+    assert set(model.global_prompts) == ({"shared"} if one_set else set(sides))
     blocks = [(s, i) for s in ("encoder", "decoder") if s in sides for i in range(len(getattr(model.t5, s).block))]
     relu = torch.relu
     out = {}
     for m, (side, i) in enumerate(blocks):
         keys, values = [], []
         for task in range(len(model.tasks)):
-            P = model.global_prompts[side].weight[task].view(lengths[side], d)
+            P = model.global_prompts["shared" if one_set else side].weight[task].view(lengths[side], d)
             if cfg.variant == "global":
                 g = model.global_hypernets
                 x = torch.cat([g.task_embeddings.weight[task], g.layer_embeddings.weight[m]])
@@ -597,10 +600,11 @@ def hand_hyper_prompts(model):
     return out
 
 
-@pytest.mark.parametrize("variant,bias,placement", [(v, b, "both") for v in VARIANTS for b in (False, True)]
-                         + [("global", False, "decoder"), ("sep", True, "encoder")])
-def test_generated_prompts_equal_the_papers_equations(variant, bias, placement, batch):
-    model = hp(variant=variant, placement=placement, hypernet_bias=bias)
+@pytest.mark.parametrize("variant,bias,placement,l_dec", [(v, b, "both", 2) for v in VARIANTS for b in (False, True)]
+                         + [("global", False, "decoder", 2), ("sep", True, "encoder", 2)]
+                         + [(v, False, "both", 3) for v in VARIANTS])  # equal lengths: one P_tau for both sides
+def test_generated_prompts_equal_the_papers_equations(variant, bias, placement, l_dec, batch):
+    model = hp(variant=variant, placement=placement, hypernet_bias=bias, l_dec=l_dec)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():  # biases start at zero: move every generator parameter so each one counts
         for name, p in model.named_parameters():
@@ -615,6 +619,23 @@ def test_generated_prompts_equal_the_papers_equations(variant, bias, placement, 
         assert (table[key][1] - v).abs().max() <= 1e-5, key
         assert (rows[key][0] - k[batch["task_ids"]]).abs().max() <= 1e-5
         assert (k - v).abs().max() > 1e-3  # keys and values come from different networks
+
+
+def test_global_prompts_are_counted_once_and_an_unprompted_side_has_no_generators():
+    d, T = tiny_config().d_model, len(TASKS)
+    for variant in VARIANTS:
+        same = hp(variant=variant, placement="both", l_enc=3, l_dec=3)
+        assert same.extra_parameters()["global_prompts"] == d * 3 * T  # the paper's d*l*T, not d*(l + l)*T
+        # a placed side of length 0 has no prompts: no generators (they would never train yet count)
+        half = hp(variant=variant, placement="both", l_enc=3, l_dec=0)
+        alone = hp(variant=variant, placement="encoder", l_enc=3, l_dec=0)
+        assert half.cfg.prompted_sides() == ("encoder",)
+        assert {n: p.shape for n, p in half.named_parameters() if not n.startswith("t5.")} == \
+            {n: p.shape for n, p in alone.named_parameters() if not n.startswith("t5.")}
+        assert half.extra_parameters() == alone.extra_parameters()
+        assert half.parameter_formula().total == half.extra_parameters()["total"]
+        none = hp(variant=variant, placement="both", l_enc=0, l_dec=0)
+        assert none.extra_parameters()["total"] == 0 == none.parameter_formula().total
 
 
 def test_the_attention_bias_is_built_once_per_stack_and_call(batch, monkeypatch):

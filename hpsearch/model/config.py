@@ -85,15 +85,19 @@ class ModelConfig:
     vocab_size: int | None = None        # offline shapes only: None keeps the shape's vocabulary
 
     def prompted_sides(self) -> tuple[str, ...]:
-        """The sides whose self-attention carries HyperPrompt key/value prompts (none for other methods)."""
+        """The sides whose self-attention carries HyperPrompt key/value prompts (none for other methods): the ones
+        `placement` names whose prompt length is not 0 (a side with no prompts gets no generators, which would never
+        train yet count as extra parameters)."""
         if self.method != "hyperprompt":
             return ()
-        return {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}[self.placement]
+        placed = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}[self.placement]
+        return tuple(side for side in placed if self._length(side) > 0)
 
     def side_prompt_length(self, side: str) -> int:
         """HyperPrompt's l on `side` (0 when that side is not prompted)."""
-        if side not in self.prompted_sides():
-            return 0
+        return self._length(side) if side in self.prompted_sides() else 0
+
+    def _length(self, side: str) -> int:
         return self.prompt_length_encoder if side == "encoder" else self.prompt_length_decoder
 
     def active_fields(self) -> set[str]:

@@ -1,7 +1,8 @@
 """HyperPrompt (He et al., ICML 2022): hypernetwork-generated key/value prompts for T5 self-attention.
 
 For task tau and prompted block m:  P_k = U_k(ReLU(D_k(P_tau))),  P_v = U_v(ReLU(D_v(P_tau))),
-with P_tau in R^{l x d} the task's global prompt (one per prompted side), D: d -> b, U: b -> d_i
+with P_tau in R^{l x d} the task's global prompt (one for both sides when their lengths are equal, else one per
+prompted side), D: d -> b, U: b -> d_i
 (d_i = heads * d_kv, equal to d except in t5-3b / t5-11b).
 
 - share:  one pair of local hypernetworks (h_k, h_v) per block, shared by all tasks.
@@ -10,7 +11,8 @@ with P_tau in R^{l x d} the task's global prompt (one per prompted side), D: d -
 - global: k_tau (t') and z_m (t') -> projection net (2t' -> e -> t) -> I_tau^m (t) -> global hypernetworks
           H_k, H_v (linear in I) emit the D and U matrices of the local hypernetworks.
 
-Extra parameters (T tasks, M prompted blocks, l = summed prompt length of the prompted sides, beta = 1 with
+Extra parameters (T tasks, M prompted blocks, l = the global prompts' length: one set P_tau shared by both sides
+when both are prompted with the same length, else the summed length of each side's set; beta = 1 with
 `hypernet_bias`, else 0; with beta = 0 and d_i = d these are the paper's counts):
     share:   d*l*T + M * (2*b*(d + d_i) + 2*beta*(b + d_i))
     sep:     d*l*T + M*T * (2*b*(d + d_i) + 2*beta*(b + d_i))
@@ -110,6 +112,17 @@ class GlobalHypernets(nn.Module):
         return out
 
 
+SHARED = "shared"
+
+
+def prompt_sets(cfg) -> dict[str, str]:
+    """{prompted side: the name of its global prompt set}: `shared` for both sides when both are prompted with
+    the same length (one P_tau per task, as the paper counts d*l*T), else the side itself."""
+    sides = cfg.prompted_sides()
+    same = len(sides) == 2 and len({cfg.side_prompt_length(s) for s in sides}) == 1
+    return {side: SHARED if same else side for side in sides}
+
+
 class HyperPromptT5(MultiTaskT5):
     """Multi-task T5 whose prompted self-attention layers get per-task hyper-prompts."""
 
@@ -121,12 +134,16 @@ class HyperPromptT5(MultiTaskT5):
         n_tasks = len(self.tasks)
         self.layer_keys = [(side, i) for side in SIDES if side in cfg.prompted_sides()
                            for i in range(len(getattr(t5, side).block))]
-        # Global prompts P_tau, one set per prompted side: an embedding row per task (never read as .weight).
-        self.global_prompts = nn.ModuleDict({
-            side: nn.Embedding(n_tasks, cfg.side_prompt_length(side) * d) for side in cfg.prompted_sides()})
+        # Global prompts P_tau: an embedding row per task (never read as .weight), one set for both sides when they
+        # have the same length (the paper's d*l*T), else one per prompted side
+        self.prompt_sets = prompt_sets(cfg)
+        lengths = {name: cfg.side_prompt_length(side) for side, name in self.prompt_sets.items()}  # each set once
+        self.global_prompts = nn.ModuleDict({name: nn.Embedding(n_tasks, n * d) for name, n in lengths.items()})
         for emb in self.global_prompts.values():
             nn.init.normal_(emb.weight, std=1.0)  # T5 embeddings' scale: the prompts live where hidden states do
-        if cfg.variant == "global":
+        if not self.layer_keys:  # every placed side has prompt length 0: nothing to generate (MTL's model)
+            pass
+        elif cfg.variant == "global":
             self.global_hypernets = GlobalHypernets(n_tasks, len(self.layer_keys), d, d_inner, cfg,
                                                     cfg.hypernet_bias)
         else:
@@ -138,11 +155,14 @@ class HyperPromptT5(MultiTaskT5):
     def generate_task_tensors(self, device=None, tasks=None) -> dict[tuple[str, int], tuple[torch.Tensor, ...]]:
         """Run the generators for `tasks` (None: every task): {(side, layer): (keys, values)}, each
         [T, heads, l, d_kv]."""
+        if not self.layer_keys:
+            return {}
         device = device if device is not None else next(self.t5.parameters()).device
         ids = tasks.to(device) if tasks is not None else torch.arange(len(self.tasks), device=device)
         n_tasks = ids.numel()
-        side_prompts = {side: emb(ids).view(n_tasks, self.cfg.side_prompt_length(side), self.d_model)
-                        for side, emb in self.global_prompts.items()}
+        sets = {name: emb(ids) for name, emb in self.global_prompts.items()}
+        side_prompts = {side: sets[name].view(n_tasks, self.cfg.side_prompt_length(side), self.d_model)
+                        for side, name in self.prompt_sets.items()}
         if self.cfg.variant == "global":  # layer_keys: every block of one side, then of the next
             pairs = self.global_hypernets([(p, sum(s == side for s, _ in self.layer_keys))
                                            for side, p in side_prompts.items()], ids)
@@ -163,7 +183,9 @@ class HyperPromptT5(MultiTaskT5):
 
     def extra_parameters(self) -> dict[str, int]:
         parts = {"global_prompts": self.global_prompts}
-        if self.cfg.variant == "global":
+        if not self.layer_keys:
+            pass
+        elif self.cfg.variant == "global":
             g = self.global_hypernets
             parts.update(task_embeddings=g.task_embeddings, layer_embeddings=g.layer_embeddings,
                          projection=g.projection, global_hypernets=nn.ModuleList([g.hyper_k, g.hyper_v]))
@@ -176,8 +198,11 @@ class HyperPromptT5(MultiTaskT5):
     def parameter_formula(self) -> Formula:
         c, cfg = self.t5.config, self.cfg
         d, di, b, T, beta = c.d_model, c.num_heads * c.d_kv, cfg.bottleneck, len(self.tasks), int(cfg.hypernet_bias)
-        l, M = sum(cfg.side_prompt_length(s) for s in cfg.prompted_sides()), len(self.layer_keys)
+        l = sum({name: cfg.side_prompt_length(side) for side, name in self.prompt_sets.items()}.values())
+        M = len(self.layer_keys)
         terms = dict(d=d, d_i=di, l=l, T=T, M=M, b=b, beta=beta)
+        if not M:
+            return Formula("0 (no prompted side: every placed side has prompt length 0)", terms, 0)
         local = 2 * b * (d + di) + 2 * beta * (b + di)
         if cfg.variant != "global":
             copies = 1 if cfg.variant == "share" else T
