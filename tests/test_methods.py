@@ -262,12 +262,13 @@ def expected_extra(name, shape, T) -> int:
         sites = (Le + Ld) * (2 if kw.get("adapter_sites", "both") == "both" else 1)
         return T * sites * ((d * b + b) + (b * d + d))                         # D, c, U, u per task and site
     if method in ("prefix", "mam"):
-        l, h, M = kw.get("prompt_length", kw.get("mam_prefix_length")), kw["prefix_hidden"], Le + Ld
-        prefix = T * l * d + (d * h + h) + (h * M * 2 * di + M * 2 * di)      # E, W1 and c1, W2 and c2
+        l, h = kw.get("prompt_length", kw.get("mam_prefix_length")), kw["prefix_hidden"]
+        # E, W1 and c1, W2 and c2 for each kind of attention: encoder self (Le), decoder self (Ld), cross (Ld)
+        prefix = sum(T * l * d + (d * h + h) + (h * M * 2 * di + M * 2 * di) for M in (Le, Ld, Ld))
         if method == "prefix":
             return prefix
         b = kw["bottleneck"]
-        return prefix + T * M * ((d * b + b) + (b * d + d))                   # one D, c, U, u per task and FFN
+        return prefix + T * (Le + Ld) * ((d * b + b) + (b * d + d))           # one D, c, U, u per task and FFN
     if method == "pha":
         b, p, r, h, M = kw["bottleneck"], kw["pha_dim"], kw["pha_retriever_hidden"], kw["pha_hidden"], Le + Ld
         return (T * p + M * p                                                  # prototypes, block embeddings
@@ -612,16 +613,49 @@ def test_lora_equals_stock_t5_with_q_and_v_merged_by_hand(batch, tmp_path):
 
 
 def prefixes_by_hand(model, l):
-    """Li & Liang's MLP on the raw weights; layer m's keys and values are output columns [2m d_i, (2m + 2) d_i)."""
-    E, (W1, _, W2) = model.prefix_embeddings.weight, model.prefix_mlp
-    out = torch.tanh(E @ W1.weight.T + W1.bias) @ W2.weight.T + W2.bias                 # [T*l, M*2*d_i]
+    """Li & Liang's MLPs on the raw weights, one per kind of attention (encoder self, decoder self, decoder cross);
+    attention m of a kind takes its MLP's output columns [2m d_i, (2m + 2) d_i) as its keys and values."""
     heads, dkv = model.t5.config.num_heads, model.t5.config.d_kv
     di = heads * dkv
     split = lambda x: x.reshape(l, heads, dkv).transpose(0, 1)                          # [heads, l, d_kv]
-    layers = [(s, i) for s in ("encoder", "decoder") for i in range(len(getattr(model.t5, s).block))]
-    return {key: [(split(out[t * l:(t + 1) * l, 2 * m * di:(2 * m + 1) * di]),
-                   split(out[t * l:(t + 1) * l, (2 * m + 1) * di:(2 * m + 2) * di])) for t in range(3)]
-            for m, key in enumerate(layers)}
+    n_enc, n_dec = len(model.t5.encoder.block), len(model.t5.decoder.block)
+    prefixes = {}
+    for kind, n in (("encoder", n_enc), ("decoder", n_dec), ("cross", n_dec)):
+        E, (W1, _, W2) = model.prefix_embeddings[kind].weight, model.prefix_mlps[kind]
+        out = torch.tanh(E @ W1.weight.T + W1.bias) @ W2.weight.T + W2.bias             # [T*l, n*2*d_i]
+        prefixes.update({(kind, m): [(split(out[t * l:(t + 1) * l, 2 * m * di:(2 * m + 1) * di]),
+                                      split(out[t * l:(t + 1) * l, (2 * m + 1) * di:(2 * m + 2) * di]))
+                                     for t in range(3)] for m in range(n)})
+    return prefixes
+
+
+def test_cross_attention_prefixes_equal_a_hand_written_cross_attention(batch):
+    """A decoder cross-attention attends over [P_k; W_k enc] and [P_v; W_v enc], prefix columns never masked
+    (T5: no scaling, no position bias across): written out from the module's weights and the MLP's prefixes."""
+    model = perturb(make("prefix"))
+    module = model.t5.decoder.block[1].layer[1].EncDecAttention
+    seen = {}
+    hook = module.register_forward_hook(lambda m, args, kwargs, out: seen.update(
+        x=args[0] if args else kwargs["hidden_states"], enc=kwargs["key_value_states"], out=out[0]), with_kwargs=True)
+    with torch.no_grad():
+        model(**batch)
+    hook.remove()
+    heads, dkv = model.t5.config.num_heads, model.t5.config.d_kv
+    with torch.no_grad():
+        by_hand = prefixes_by_hand(model, l=3)[("cross", 1)]
+        x, enc, mask = seen["x"], seen["enc"], batch["attention_mask"]
+        split = lambda t: t.view(t.shape[0], -1, heads, dkv).transpose(1, 2)              # [b, heads, n, d_kv]
+        q, k, v = split(module.q(x)), split(module.k(enc)), split(module.v(enc))
+        pk = torch.stack([by_hand[t][0] for t in batch["task_ids"].tolist()])           # [b, heads, l, d_kv]
+        pv = torch.stack([by_hand[t][1] for t in batch["task_ids"].tolist()])
+        scores = q @ torch.cat([pk, k], 2).transpose(-1, -2)                            # [b, heads, q, l + n]
+        allowed = torch.cat([torch.ones(mask.shape[0], 3, dtype=torch.bool), mask.bool()], 1)[:, None, None]
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        want = module.o((probs @ torch.cat([pv, v], 2)).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+    assert (seen["out"] - want).abs().max() <= 1e-5
+    assert (want - module.o((torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~allowed[..., 3:], float("-inf")),
+                                           -1) @ v).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+            ).abs().max() > 1e-3  # the prefixes matter
 
 
 def test_prefix_equals_the_attention_hook_fed_the_mlp_output_by_hand(batch):

@@ -35,12 +35,13 @@ def test_baselines_sizes_on_t5_base(capsys):
 
 
 def test_unified_view_sizes_on_t5_base():
-    """He et al.'s per-layer counts, T5-Base (d = d_i = 768, 12 + 12 self-attentions and FFNs), 8 tasks: LoRA r*d*4
-    (q and v); prefix: the l*d rows and Li & Liang's MLP; MAM: the same prefix (l = 30) + a parallel adapter per FFN."""
+    """He et al.'s per-layer counts, T5-Base (d = d_i = 768, 12 + 12 self-attentions, 12 cross-attentions, 24 FFNs),
+    8 tasks: LoRA r*d*4 (q and v); prefix: per kind of attention (encoder self, decoder self, cross) the l*d rows
+    and Li & Liang's MLP; MAM: the same prefix (l = 30) + a parallel adapter per FFN."""
     run = lambda *o: count(load_config(None, ["model.backbone=t5-base", *o]), 8)
     assert run("model.method=lora", "model.lora_rank=8")["extra_params"] == 8 * 24 * 8 * 768 * 4
     prefix = run("model.method=prefix", "model.prompt_length=30", "model.prefix_hidden=800")
-    assert prefix["extra_params"] == 8 * 30 * 768 + (768 * 800 + 800) + (800 * 24 * 2 * 768 + 24 * 2 * 768)
+    assert prefix["extra_params"] == 3 * (8 * 30 * 768 + (768 * 800 + 800) + (800 * 12 * 2 * 768 + 12 * 2 * 768))
     mam = run("model.method=mam", "model.prefix_hidden=800", "model.bottleneck=512")  # the paper's l = 30, b = 512
     assert mam["extra_params"] - prefix["extra_params"] == 8 * 24 * (768 * 512 + 512 + 512 * 768 + 768)
     assert mam["formula_terms"]["l"] == 30

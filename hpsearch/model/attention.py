@@ -1,4 +1,4 @@
-"""The attention hook: key/value prompts inside T5 self-attention (transformers 5.x `AttentionInterface`).
+"""The attention hook: key/value prompts inside T5 attention (transformers 5.x `AttentionInterface`).
 
 Every T5 attention module of a wrapped model calls `prompted_attention`. A self-attention module that carries
 prompts (`module.hp_prompt = (keys, values)`, each [batch | 1, heads, l, d_kv]) attends over [prompts; tokens]:
@@ -10,8 +10,9 @@ to the real tokens. The KV cache is updated before this function runs. In a forw
 are concatenated in front of the keys and values here. Generation gets a cache (`prompt_cache`) whose prompted
 decoder layers hold their prompts in front of the cached tokens from the first step on, so a decoding step
 appends its token once instead of copying the prompts and every cached token again; the cache counts tokens only,
-so generation's positions, masks and T5's relative-position bias stay the tokens'. Modules without prompts
-(cross-attention, unprompted sides) compute plain T5 attention, so an unprompted model equals stock T5.
+so generation's positions, masks and T5's relative-position bias stay the tokens'. A cross-attention with prompts
+(prefix tuning's) gets them in front of the encoder's keys and values at every call, decoding steps too (its cache
+holds the encoder's). Modules without prompts compute plain T5 attention, so an unprompted model equals stock T5.
 
 A mask function is registered under the same name: without it transformers hands a custom attention
 function no padding mask at all. It is transformers' eager mask, except that on an accelerator the mask is always
@@ -30,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ATTN_NAME = "hyperprompt"
 SIDES = ("encoder", "decoder")
+CROSS = "cross"  # prompts keyed (CROSS, layer) go to the decoder's cross-attentions (prefix tuning)
 
 
 def _additive_mask(module, mask, q_len: int, k_len: int, dtype, device) -> torch.Tensor:
@@ -183,7 +185,8 @@ def use_prompted_attention(t5) -> None:
 
 @contextmanager
 def attach(t5, prompts: dict | None = None, recorders: dict | None = None):
-    """Attach per-layer prompts (and statistic recorders) to the self-attention modules for one call."""
+    """Attach per-layer prompts (and statistic recorders) to the self-attention modules for one call: prompts keyed
+    (side, layer), and (CROSS, layer) for a decoder layer's cross-attention."""
     modules = self_attention_modules(t5)
     cross = [block.layer[1].EncDecAttention for block in t5.decoder.block]
     cache: dict = {}  # the attention bias of each stack, shared by its layers for this call (see _stack_bias)
@@ -192,8 +195,9 @@ def attach(t5, prompts: dict | None = None, recorders: dict | None = None):
             module.hp_prompt = (prompts or {}).get(key)
             module.hp_recorder = (recorders or {}).get(key)
             module.hp_bias_cache, module.hp_bias_slot = cache, key[0]
-        for module in cross:
-            module.hp_bias_cache, module.hp_bias_slot = cache, "cross"
+        for i, module in enumerate(cross):
+            module.hp_prompt = (prompts or {}).get((CROSS, i))
+            module.hp_bias_cache, module.hp_bias_slot = cache, CROSS
         yield
     finally:
         for module in (*modules.values(), *cross):

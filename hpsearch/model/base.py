@@ -7,7 +7,8 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     tuple of tensors, each [len(tasks), ...]}. A training or uncached call asks
                                     only for the tasks its batch holds; `freeze_task_params()` caches them for all
                                     tasks so inference does not pay the generators.
-    attention_prompts(ctx)          {(side, layer): (keys, values)} prepended inside self-attention (attention.py)
+    attention_prompts(ctx)          {(side, layer): (keys, values)} prepended inside self-attention, and
+                                    {("cross", layer): ...} inside a decoder cross-attention (attention.py)
     prepare_encoder_inputs(ctx, x)  rewrite the encoder inputs {input_ids, attention_mask, inputs_embeds}
     parallel_branch(ctx, site, x)   a branch beside a module, fed the module's input x; its result is added to the
                                     module's output (None: no branch). Sites: the sublayers (below; x = T5's

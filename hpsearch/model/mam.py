@@ -1,7 +1,8 @@
 """MAM adapter (He, Zhou, Ma, Berg-Kirkpatrick, Neubig, ICLR 2022, "Mix-And-Match"), multi-task.
 
-Prefix tuning on every self-attention (prefix.py's prefixes and reparameterisation MLP, l = `mam_prefix_length`,
-the paper's 30) plus, in every block of both stacks, a scaled parallel adapter per task beside the feed-forward:
+Prefix tuning on every attention, the decoder's cross-attentions too (prefix.py's prefixes and its three
+reparameterisation MLPs, l = `mam_prefix_length`, the paper's 30) plus, in every block of both stacks, a scaled
+parallel adapter per task beside the feed-forward:
 
     h' = h + dropout(FFN(LN h)) + s * (U_tau ReLU(D_tau LN h + c_tau) + u_tau)    D: d -> b, U: b -> d, s = `mam_scale`
 
@@ -11,10 +12,10 @@ residual, as upstream adds it after the FFN's dropout (through T5's dropout, tra
 branch with the FFN's output). Adapter init as the
 paper's code ("lora" init): D kaiming-uniform (a = sqrt 5), U and the biases zero, so a new adapter adds nothing.
 
-Extra parameters (the prefix's, with l = mam_prefix_length, plus T * M adapters, M = L_enc + L_dec):
-    T*l*d + (d + 1)*h + (h + 1)*2*M*d_i + T*M*(2*d*b + b + d)
+Extra parameters (the prefix's, with l = mam_prefix_length, plus T * B adapters, B = L_enc + L_dec blocks):
+    3*T*l*d + 3*(d + 1)*h + (h + 1)*2*M*d_i + T*B*(2*d*b + b + d),  M = L_enc + 2*L_dec
 
-ZeRO-3: the prefix generator runs on every call, for the batch's tasks (prefix.py); each feed-forward's adapter
+ZeRO-3: the prefix generators run on every call, for the batch's tasks (prefix.py); each feed-forward's adapter
 is one module holding all tasks' weights, called on every forward, indexing its parameters inside its own forward.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from hpsearch.model.adapter import row_bottleneck
+from hpsearch.model.attention import self_attention_modules
 from hpsearch.model.base import Formula, Site, TaskContext
 from hpsearch.model.prefix import PREFIX_FORMULA, PrefixT5
 
@@ -50,9 +52,10 @@ class MAMT5(PrefixT5):
 
     def __init__(self, t5, tasks, cfg):
         super().__init__(t5, tasks, cfg)
+        self.blocks = list(self_attention_modules(t5))  # (side, layer) of every block: one FFN each
         self.adapters = nn.ModuleDict({
             f"{side}_{i}": ParallelAdapter(len(self.tasks), t5.config.d_model, cfg.bottleneck, cfg.mam_scale)
-            for side, i in self.layer_keys})
+            for side, i in self.blocks})
 
     @staticmethod
     def length_of(cfg) -> int:
@@ -69,6 +72,6 @@ class MAMT5(PrefixT5):
 
     def parameter_formula(self) -> Formula:
         prefix = self.prefix_formula()
-        T, M, d, b = len(self.tasks), len(self.layer_keys), self.t5.config.d_model, self.cfg.bottleneck
-        return Formula(f"{PREFIX_FORMULA} + T*M*(2*d*b + b + d)", {**prefix.terms, "b": b},
-                       prefix.total + T * M * (2 * d * b + b + d))
+        T, B, d, b = len(self.tasks), len(self.blocks), self.t5.config.d_model, self.cfg.bottleneck
+        return Formula(f"{PREFIX_FORMULA} + T*B*(2*d*b + b + d)", {**prefix.terms, "b": b, "B": B},
+                       prefix.total + T * B * (2 * d * b + b + d))
