@@ -146,8 +146,8 @@ def git_commit(cwd: str | Path = ".") -> str:
     return os.environ.get("HPSEARCH_GIT_COMMIT") or "unknown"
 
 
-_UNREACHABLE = re.compile(r"API request to (\w+://[^/\s]+)\S* failed with exception .*?"
-                          r"(Max retries exceeded|Connection refused|timed out|Connection aborted)")
+_UNREACHABLE = re.compile(r"API request to (\w+://[^/\s]+)\S* failed with (?:timeout )?exception .*?"
+                          r"(Max retries exceeded|Connection refused|timed out|Connection aborted|ConnectTimeout)")
 
 
 def unreachable(e: BaseException) -> str | None:

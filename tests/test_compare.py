@@ -245,6 +245,24 @@ def test_from_study_never_gives_a_method_another_variants_values_and_keeps_conti
     apply_best(spec, tmp_path, "s1")
     glob = spec.method("hyperprompt-global")
     assert glob.origin.startswith("study s1, trial b") and glob.config.train.lr == 2e-3
+    # so is a shared override of a field the study did not search: tuned values carried to another backbone
+    spec = load_spec(write(tmp_path, TINY), ["model.backbone=t5-small"])
+    apply_best(spec, tmp_path, "s1")
+    glob = spec.method("hyperprompt-global")
+    assert glob.origin.startswith("study s1, trial b") and glob.config.model.backbone == "t5-small"
+    # a float the study searched among fixed choices is matched like any categorical value
+    space = SPACE + "  model.dropout: {type: categorical, choices: [0.0, 0.3]}\n"
+    fake_study(tmp_path, "s2", {
+        "b": ({"model.method": "hyperprompt", "model.variant": "global", "model.bottleneck": 8, "train.lr": 3e-3,
+               "model.dropout": 0.0}, 80),
+        "c": ({"model.method": "hyperprompt", "model.variant": "global", "model.bottleneck": 8, "train.lr": 5e-4,
+               "model.dropout": 0.3}, 75),
+    }, space)
+    text = TINY.replace("model.bottleneck: 8}", "model.bottleneck: 8, model.dropout: 0.3}")
+    spec = load_spec(write(tmp_path, text))
+    apply_best(spec, tmp_path, "s2")
+    glob = spec.method("hyperprompt-global")
+    assert glob.origin.startswith("study s2, trial c") and glob.config.train.lr == 5e-4
 
 
 def test_from_study_errors(tmp_path):

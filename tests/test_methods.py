@@ -312,6 +312,24 @@ def test_formula_equals_extra_parameters(name, shape, n_tasks):
     assert sum(p.numel() for p in model.parameters()) == backbone + counts["total"]
 
 
+def test_an_export_of_the_older_prefix_layout_is_one_line_saying_so(tmp_path):
+    """Exports written before 2026-11-27 (one prefix MLP, `prefix_mlp.*`) do not fit today's prefix model: the error
+    says which version wrote them instead of listing parameter names only."""
+    from safetensors.torch import load_file, save_file
+
+    from hpsearch.errors import ConfigError
+    save_export(make("prefix"), tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    old = {(k.replace("prefix_mlps.encoder.", "prefix_mlp.").replace("prefix_embeddings.encoder.", "prefix_embeddings.")
+            if "encoder" in k else k): v for k, v in weights.items()
+           if not k.startswith(("prefix_mlps.decoder", "prefix_mlps.cross", "prefix_embeddings.decoder",
+                                "prefix_embeddings.cross"))}
+    save_file(old, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"export does not match the model .*it was written by hpsearch before "
+                                          r"2026-11-27 \(prefix tuning and MAM then had one prefix MLP"):
+        build_model(str(tmp_path))
+
+
 @pytest.mark.parametrize("name", SETUPS)
 def test_full_export_round_trip(name, batch, tmp_path):
     from safetensors.torch import load_file

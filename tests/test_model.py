@@ -636,6 +636,8 @@ def test_global_prompts_are_counted_once_and_an_unprompted_side_has_no_generator
         assert half.parameter_formula().total == half.extra_parameters()["total"]
         none = hp(variant=variant, placement="both", l_enc=0, l_dec=0)
         assert none.extra_parameters()["total"] == 0 == none.parameter_formula().total
+    with pytest.raises(ConfigError, match="model.train_task_params_only: every placed side's prompt length is 0"):
+        hp(placement="both", l_enc=0, l_dec=0, train_task_params_only=True)
 
 
 def test_the_attention_bias_is_built_once_per_stack_and_call(batch, monkeypatch):

@@ -47,3 +47,72 @@ def test_a_study_saved_when_the_callback_lived_in_tracking_still_resumes():
     import hpsearch.tracking
     with pytest.raises(AttributeError):
         hpsearch.tracking.NoSuchName  # noqa: B018
+
+
+UNREACHABLE = """
+import http.server, json, socket, sys, threading, time
+from mlflow import MlflowClient
+from hpsearch.tracking import unreachable
+
+def error(uri):
+    try:
+        MlflowClient(tracking_uri=uri).get_run("0" * 32)
+    except Exception as e:
+        return e
+    raise AssertionError("no error")
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+class Down(http.server.BaseHTTPRequestHandler):  # a proxy in front of a server that is down
+    def do_GET(self):
+        self.send_response(503); self.end_headers(); self.wfile.write(b"down")
+    def log_message(self, *a):
+        pass
+
+class NoRun(Down):  # a server that answers: the run is not there (MLflow's own error, not an outage)
+    def do_GET(self):
+        body = json.dumps({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "Run not found"}).encode()
+        self.send_response(404); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(body)
+
+servers = {}
+for name, handler in (("down", Down), ("no_run", NoRun)):
+    servers[name] = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=servers[name].serve_forever, daemon=True).start()
+silent = socket.socket(); silent.bind(("127.0.0.1", 0)); silent.listen(50)  # accepts, never answers
+threading.Thread(target=lambda: [silent.accept() for _ in range(20)], daemon=True).start()
+full = socket.socket(); full.bind(("127.0.0.1", 0)); full.listen(0)  # accept queue full: connecting times out
+fillers = []
+for _ in range(4):
+    c = socket.socket(); c.setblocking(False)
+    try:
+        c.connect(full.getsockname())
+    except BlockingIOError:
+        pass
+    fillers.append(c)
+time.sleep(0.3)
+uris = {"refused": f"http://127.0.0.1:{free_port()}", "read timeout": f"http://127.0.0.1:{silent.getsockname()[1]}",
+        "connect timeout": f"http://127.0.0.1:{full.getsockname()[1]}",
+        "503": f"http://127.0.0.1:{servers['down'].server_address[1]}",
+        "no such run": f"http://127.0.0.1:{servers['no_run'].server_address[1]}"}
+print(json.dumps({case: [uri, unreachable(error(uri)), str(error(uri))[:300]] for case, uri in uris.items()}))
+"""
+
+
+def test_an_mlflow_server_that_stopped_answering_is_told_from_mlflows_own_errors():
+    """Real MLflow client errors, retries cut short: refused, a read or connect timeout and a 503 are an outage
+    (the study stops with one line naming the server); an answer of the server (no such run) is not."""
+    import json
+    import os
+    env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "1"}
+    proc = subprocess.run([sys.executable, "-c", UNREACHABLE], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    for case in ("refused", "read timeout", "connect timeout", "503"):
+        uri, server, text = seen[case]
+        assert server == uri, (case, text)
+    assert seen["no such run"][1] is None, seen["no such run"][2]

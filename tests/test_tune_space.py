@@ -757,3 +757,32 @@ def test_a_retried_trial_is_said_once_as_restarted_not_started_again(capsys):
     assert lines == ["[hpsearch.tune] trial t1 started (1/2): train.lr=0.001",
                      "[hpsearch.tune] trial t1 restarted after a failure (from its last checkpoint, if any)",
                      "[hpsearch.tune] trial t2 started (2/2): train.lr=0.002"]
+
+
+def test_a_resume_after_the_report_was_logged_only_ends_what_the_end_left(tmp_path, capsys):
+    """The driver stopped after logging the report, before ending the runs (or pushing the report to a bucket): a
+    --resume ends the study's MLflow run as the report says, logs nothing again and starts no Ray."""
+    from mlflow import MlflowClient
+
+    from hpsearch.tracking import StudyRun
+    from hpsearch.tune import cli
+    from hpsearch.tune.study import Study, load_state
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    space = load_space(write(tmp_path, BASE))
+    parent = StudyRun.create(uri, "s", space_path=str(space.path), space_text="x", command="c", params={})
+    parent.log_report({"best_score": 70.0}, {}, {"summary.txt": "s"}, tmp_path / "none")
+    study = Study("s", tmp_path / "runs" / "s", space)
+    study.save_state({"name": "s", "space_text": "x", "overrides": [], "tracking_uri": uri,
+                      "parent_run_id": parent.run_id,
+                      "finished": {"outcome": "report logged", "code": 0, "status": "FINISHED", "ended": False}})
+    client = MlflowClient(uri)
+    assert client.get_run(parent.run_id).info.status == "RUNNING"
+    assert cli._already_finished(study, load_state(study.dir)) == 0
+    run = client.get_run(parent.run_id)
+    assert run.info.status == "FINISHED" and len(client.get_metric_history(parent.run_id, "best_score")) == 1
+    assert load_state(study.dir)["finished"]["ended"] is True
+    assert "study 's' already finished (report logged): nothing to resume" in capsys.readouterr().out
+    end = run.info.end_time
+    assert cli._already_finished(study, load_state(study.dir)) == 0  # again: nothing left to do
+    assert client.get_run(parent.run_id).info.end_time == end

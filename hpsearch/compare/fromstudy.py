@@ -4,13 +4,14 @@ A study keeps, per trial that ran its whole budget, `trials/<id>/config.yaml` (i
 `trials/<id>/metrics.jsonl` (every evaluation; the last line the final report with `best_score`). For every method
 of the spec, the candidates are the study's finished trials of the same `model.method` that agree with the fields
 the method (or a command-line override) sets itself among the study's searched ones, and with every `model.*` word
-or flag it sets, searched or fixed by the study (a `hyperprompt-share` entry takes the best `share` trial, never a
-`global` one, also from a study of global trials only). A continuous value (a learning rate, a dropout) is kept,
-never matched: no trial has exactly it. The best candidate by `best_score` (the validation score of the checkpoint
-the trial delivers) gives its values of the fields the study searched. What the method sets itself and what a
-command-line override sets are kept, and so are the spec's data, budget and resources: only the searched fields
-travel. A method without a candidate keeps the spec's configuration (the table's notes say which fields no trial
-matched).
+or flag the method itself sets, searched or fixed by the study (a `hyperprompt-share` entry takes the best `share`
+trial, never a `global` one, also from a study of global trials only). A value for a field the study searched
+continuously (uniform, loguniform: a learning rate) is kept, never matched: no trial has exactly it; a shared
+override of a field the study did not search (model.backbone) is kept too. The best candidate by `best_score` (the
+validation score of the checkpoint the trial delivers) gives its values of the fields the study searched. What the
+method sets itself and what a command-line override sets are kept, and so are the spec's data, budget and resources:
+only the searched fields travel. A method without a candidate keeps the spec's configuration (the table's notes say
+which fields no trial matched).
 """
 from __future__ import annotations
 
@@ -51,11 +52,16 @@ def study_dir(storage_path, name: str) -> Path:
     return where
 
 
-def searched_fields(where: Path) -> list[str]:
-    """The run-config fields the study searched (its copy of the space file's `search:` keys)."""
+def searched_fields(where: Path) -> dict[str, str]:
+    """{run-config field: its distribution's type} the study searched (its copy of the space file's `search:`)."""
     data, _ = read_yaml(where / SPACE_COPY)
     search = data.get("search") or {}
-    return [str(k) for k in search] if isinstance(search, dict) else []
+    if not isinstance(search, dict):
+        return {}
+    return {str(k): str(v.get("type", "")) if isinstance(v, dict) else "" for k, v in search.items()}
+
+
+CONTINUOUS = ("uniform", "loguniform")  # no trial has exactly a value given for such a field
 
 
 def finished_trials(where: Path) -> list[StudyTrial]:
@@ -98,13 +104,17 @@ def apply_best(spec: Spec, storage_path: str | Path, name: str) -> list[str]:
     if not trials:
         raise ConfigError(f"--from-study {name}: no trial of study '{name}' ran its whole budget ({where}/trials/"
                           "*/config.yaml); finish or resume the study first")
-    searched = [k for k in searched_fields(where) if k not in SET_BY_COMPARISON]
+    kinds = {k: t for k, t in searched_fields(where).items() if k not in SET_BY_COMPARISON}
+    searched = list(kinds)
     notes, applied = [], 0
     for method in spec.methods:
         own = set(method.fields) | spec.pinned
         wanted = method.config.flat()
-        identity = {k for k in own if k != "model.method" and not isinstance(wanted[k], float)
-                    and (k in searched or k.startswith("model.") and isinstance(wanted[k], (str, bool)))}
+        # what a candidate must agree with: a searched field the method or an override sets, unless continuous; a
+        # model word or flag the method itself sets (its variant), searched or not
+        identity = {k for k in own if k != "model.method" and (
+            (k in kinds and kinds[k] not in CONTINUOUS)
+            or (k in method.fields and k.startswith("model.") and isinstance(wanted[k], (str, bool))))}
         same_method = [t for t in trials if t.config.model.method == method.method]
         candidates = [t for t in same_method if all(t.config.flat()[k] == wanted[k] for k in identity)]
         if not candidates:

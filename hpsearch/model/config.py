@@ -149,3 +149,7 @@ class ModelConfig:
             raise ConfigError(f"model.vocab_size: {self.vocab_size!r} is too small; expected >= 8")
         if self.method == "mtl" and self.train_task_params_only:
             raise ConfigError("model.train_task_params_only: method=mtl has no task parameters to train alone")
+        if self.method == "hyperprompt" and not self.prompted_sides() and self.train_task_params_only:
+            raise ConfigError("model.train_task_params_only: every placed side's prompt length is 0, so HyperPrompt "
+                              "has no task parameters to train alone; give model.prompt_length_encoder or "
+                              "model.prompt_length_decoder a length >= 1")

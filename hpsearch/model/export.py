@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hpsearch.errors import disk_full
+from hpsearch.errors import ConfigError, disk_full
 
 MARKER = "hpsearch_model.json"
 
@@ -116,9 +116,27 @@ def load_export(directory, build):
     model.cfg.backbone = meta["model"]["backbone"]
     missing, unexpected = model.load_state_dict(load_weights(directory / "model.safetensors"), strict=False)
     if missing or unexpected:
-        raise ValueError(f"{directory}: export does not match the model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
+        older = older_layout(unexpected)
+        raise ConfigError(f"{directory}: export does not match the model (missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]})" + (f"; {older}" if older else ""))
     return model
+
+
+# parameter names only the layouts before 2026-11-27 had (3db69a4 and earlier)
+OLDER_LAYOUTS = {
+    "prefix_mlp.": "prefix tuning and MAM then had one prefix MLP, for the self-attentions only",
+    "global_prompts.decoder.": "HyperPrompt then kept a prompt set per side also when both sides had one length",
+    "global_prompts.encoder.": "HyperPrompt then kept a prompt set per side also when both sides had one length",
+}
+
+
+def older_layout(names) -> str | None:
+    """Why names an older hpsearch wrote no longer fit (None: not a known older layout)."""
+    for prefix, why in OLDER_LAYOUTS.items():
+        if any(str(n).startswith(prefix) for n in names):
+            return (f"it was written by hpsearch before 2026-11-27 ({why}): train it again, or load it with that "
+                    "version (git checkout 3db69a4)")
+    return None
 
 
 def load_weights(path) -> dict[str, torch.Tensor]:

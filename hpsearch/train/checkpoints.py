@@ -73,9 +73,11 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
         corrupt = _corrupt_file(Path(directory) / tag)
         if corrupt:
             raise UserError(f"checkpoint {directory}: {corrupt} is corrupt or incomplete") from None
+        from hpsearch.model.export import older_layout
         detail = str(e).splitlines()[0][:200] if str(e) else ""
+        older = older_layout(re.findall(r'"([\w.]+)"', str(e)))  # the state dict's unexpected keys, quoted
         raise UserError(f"checkpoint {directory} does not match this run's config ({type(e).__name__}: "
-                        f"{detail})") from None
+                        f"{detail})" + (f"; {older}" if older else "")) from None
     if path is None:
         raise UserError(f"checkpoint {directory}: no '{tag}' checkpoint in it (incomplete)")
     return client

@@ -39,7 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--storage-path", default="runs/tune", help="where studies keep their state: a folder or "
                    "s3://bucket/prefix, gs://... (default: runs/tune)")
     p.add_argument("--optuna-storage", help="SQLAlchemy URL of the Optuna study's database (default: sqlite "
-                   "optuna.db beside a sqlite MLflow store, else here)")
+                   "optuna.db beside a sqlite MLflow store, else in a local --storage-path, else here)")
     p.add_argument("--system-metrics", nargs="?", type=float, const=10.0, metavar="SECONDS",
                    help="log each trial's nodes' CPU, memory, disk, network (and GPU) to its MLflow run, sampled every "
                    "SECONDS (default 10)")
@@ -227,13 +227,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     study, state = prepare(args)
     command = shlex.join(["python", "-m", "hpsearch.tune", *argv])
-    if args.resume and state.get("finished"):  # its report is written and logged: nothing to run, nothing to log
-        from hpsearch.tracking import ui_command
-        done = state["finished"]
-        print(f"[hpsearch.tune] study '{study.name}' already finished ({done['outcome']}): nothing to resume; its "
-              f"report is in MLflow {state['tracking_uri']}, run {state['parent_run_id']} (report/summary.txt); "
-              f"open the UI: {ui_command(state['tracking_uri'])}", flush=True)
-        return done["code"]
+    if args.resume and state.get("finished"):  # its report is logged: nothing to run, nothing to log again
+        return _already_finished(study, state)
 
     from concurrent.futures import ThreadPoolExecutor
 
@@ -289,6 +284,24 @@ def main(argv: list[str]) -> int:
     # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (a study's goes to Ray's logs)
     shutdown_ray()
     return code
+
+
+def _already_finished(study: Study, state: dict) -> int:
+    """A --resume of a study whose report was logged: what its end left undone (the report's push to a bucket,
+    ending the MLflow runs: the driver stopped after logging the report), then one line, before Ray starts."""
+    from hpsearch.tracking import StudyRun, ui_command
+
+    done = state["finished"]
+    if not done.get("ended", True):
+        study.storage.push(study.name, "report")
+        run = StudyRun(state["tracking_uri"], "", state["parent_run_id"])
+        run.experiment_id = run.client.get_run(run.run_id).info.experiment_id
+        run.finish(done["status"], over=True)
+        study.update_state(finished={**done, "ended": True})
+    print(f"[hpsearch.tune] study '{study.name}' already finished ({done['outcome']}): nothing to resume; its "
+          f"report is in MLflow {state['tracking_uri']}, run {state['parent_run_id']} (report/summary.txt); "
+          f"open the UI: {ui_command(state['tracking_uri'])}", flush=True)
+    return done["code"]
 
 
 def _run_and_end(study: Study, parent, make_tuner) -> int:
@@ -358,11 +371,13 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     print(text, flush=True)
     metrics, tags = reporting.summary(report)
     parent.log_report(metrics, tags, reporting.files(report, text), report_dir / "plots")
-    study.storage.push(study.name, "report")
     all_failed = report.counts()["failed"] == len(report.rows)
-    parent.finish("FAILED" if all_failed else "FINISHED", over=True)
-    study.update_state(finished={"outcome": "every trial failed" if all_failed else "report logged",
-                                 "code": 1 if all_failed else 0})
+    done = {"outcome": "every trial failed" if all_failed else "report logged", "code": 1 if all_failed else 0,
+            "status": "FAILED" if all_failed else "FINISHED"}
+    study.update_state(finished={**done, "ended": False})  # logged once: a --resume only ends what is left
+    study.storage.push(study.name, "report")
+    parent.finish(done["status"], over=True)
+    study.update_state(finished={**done, "ended": True})
     if all_failed and any("no space left on device" in row.error for row in report.rows):
         # the trials filled the disk (a checkpoint, an export) while the study's own writes still fit: one line, as
         # when they do not
