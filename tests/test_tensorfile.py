@@ -83,6 +83,38 @@ def test_load_best_puts_the_files_values_in_and_names_a_wrong_file(tmp_path):
     save_file({**best, "1.weight": torch.zeros(3, 2)}, str(tmp_path / "shape.safetensors"))
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     for name, says in (("lacks", "lacks 1.bias"), ("shape", "holds 1.weight in another shape"),
-                       ("junk", "is gone or unreadable"), ("missing", "is gone")):
+                       ("junk", "is unreadable"), ("missing", "is gone")):
         with pytest.raises(UserError, match=f"best weights .*{name}.safetensors {says}"):
             checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / f"{name}.safetensors"))
+
+
+
+def test_a_passing_failure_while_loading_is_not_taken_for_the_checkpoints_fault(tmp_path, monkeypatch):
+    """A trial's retry may get past an I/O error, memory or a peer rank gone mid-load: those keep their own type
+    (a UserError marks the trial failed for good: study.deterministic). A checkpoint of another config is a
+    UserError, as before."""
+    from hpsearch.tune.study import deterministic
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    save_file({n: p.detach() for n, p in model.named_parameters()}, str(tmp_path / "best.safetensors"))
+    engine = SimpleNamespace(module=model)
+
+    def failing_read(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr("hpsearch.train.tensorfile.TensorFile", failing_read)
+    with pytest.raises(OSError, match="reading the best weights .* failed .*Input/output error") as e:
+        checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / "best.safetensors"))
+    assert not isinstance(e.value, UserError) and not deterministic(f"{type(e.value).__name__}: {e.value}")
+
+    (tmp_path / "state").mkdir()
+    for error, permanent in ((RuntimeError("[gloo] Connection closed by peer"), False), (MemoryError(), False),
+                             (OSError(5, "Input/output error"), False),
+                             (RuntimeError('Error(s) in loading state_dict for T5: Unexpected key(s) "x.y"'), True),
+                             (KeyError("exp_avg"), True)):
+        def load_checkpoint(*args, error=error, **kwargs):
+            raise error
+        with pytest.raises(Exception) as e:
+            checkpoints.load(SimpleNamespace(load_checkpoint=load_checkpoint), tmp_path, "state")
+        assert isinstance(e.value, UserError) == permanent, (error, e.value)
+        assert deterministic(f"{type(e.value).__name__}: {e.value}") == permanent

@@ -1310,6 +1310,18 @@ def test_a_checkpoint_of_zero_stage_1_and_2_resumes_exactly(tmp_path):
             assert r["error"] is None, (case, r["error"])
             assert r["max_diff"] == 0.0 and r["moved"] > 1e-3, (case, r)
 
+def test_kept_ranks_resume_from_the_checkpoint_rank_0_finds(tmp_path):
+    """tests/workers/resume_choice.py: rank 1's listing lacks the newest checkpoint (a network file system's cached
+    directory); both ranks resume from the one rank 0 found (step 20), and agree whether to report it again."""
+    from test_zero3 import run_workers
+
+    run_workers("resume_choice.py", tmp_path, timeout=300)
+    first, second = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert second["own"][0] == 10 and first["own"][0] == 20  # what each rank lists itself
+    assert first["newest"] == second["newest"] and first["newest"][0] == 20
+    assert first["unregistered"] is second["unregistered"] is True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_stage_0_reduces_gradients_only_across_ranks_and_exports_without_copying(tmp_path, ranks):

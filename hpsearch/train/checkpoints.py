@@ -59,9 +59,14 @@ def weights_only_loads():
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
 
 
+# what torch and DeepSpeed say when a checkpoint's tensors do not fit the model built (another config)
+MISMATCH = ("Error(s) in loading state_dict", "size mismatch", "Missing key", "Unexpected key")
+
+
 def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
-    """`engine.load_checkpoint` weights-only; a refused, corrupt or mismatching checkpoint is a one-line UserError.
-    Returns DeepSpeed's client state."""
+    """`engine.load_checkpoint` weights-only; a refused, corrupt or mismatching checkpoint is a one-line UserError
+    (a retry would meet it again). Anything else (an I/O error, memory, a peer rank gone mid-collective) is raised
+    as it is: a trial's retry may succeed, so it must not be taken for the checkpoint's fault."""
     try:
         with weights_only_loads():
             path, client = engine.load_checkpoint(str(directory), tag=tag, **kwargs)
@@ -73,6 +78,8 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
         corrupt = _corrupt_file(Path(directory) / tag)
         if corrupt:
             raise UserError(f"checkpoint {directory}: {corrupt} is corrupt or incomplete") from None
+        if not (isinstance(e, KeyError) or any(m in str(e) for m in MISMATCH)):
+            raise
         from hpsearch.model.export import older_layout
         detail = str(e).splitlines()[0][:200] if str(e) else ""
         older = older_layout(re.findall(r'"([\w.]+)"', str(e)))  # the state dict's unexpected keys, quoted
@@ -166,18 +173,26 @@ def best_weights_path(filesystem, folder: str, step: int, rank: int) -> str:
     `step_<step>.<k>.safetensors` when that name is taken (a run resumed into the folder of one that went further,
     whose checkpoints refer to their own file): no version a checkpoint refers to is ever overwritten. Rank 0 looks;
     every rank gets its answer (each rank's checkpoint names it). Every rank calls this."""
-    import torch
     from pyarrow import fs
 
-    name = [None]
+    path = None
     if rank == 0:
         path, k = f"{folder}/step_{step}.safetensors", 1
         while filesystem.get_file_info(path).type != fs.FileType.NotFound:
             path, k = f"{folder}/step_{step}.{k}.safetensors", k + 1
-        name = [path]
+    return from_rank0(path)
+
+
+def from_rank0(value):
+    """Rank 0's `value` on every rank (the others' are not used): what rank 0 found in the storage decides for all,
+    so ranks whose listings differ (a network file system's cached directory) still run the same collectives.
+    Every rank calls this."""
+    import torch
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.broadcast_object_list(name, src=0)
-    return name[0]
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
 
 
 def save_best(engine, rank: int, filesystem, path: str) -> None:
@@ -201,14 +216,14 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
     ZeRO-3 each rank reads its own partition of each parameter straight from the file (a byte range each,
     `tensorfile.py`; in a bucket a ranged read) after DeepSpeed released every gathered copy: no rank reads, receives
     or gathers the whole model, and nothing is broadcast. Otherwise every rank holds whole parameters and reads them
-    whole. A file that is gone, unreadable or from another model is a one-line UserError on every rank. Every rank
-    calls this."""
+    whole. A file that is gone, unreadable or from another model is a one-line UserError on every rank; a read that
+    failed is an OSError on every rank (a retry may succeed). Every rank calls this."""
     import torch
 
     from hpsearch.train.tensorfile import TensorFile
 
     trained = _trained(engine)
-    problem, weights = "", None
+    problem, passing, weights = "", "", None
     try:
         weights = TensorFile(filesystem, path)
         missing = sorted({name for name, _ in trained} - weights.names)
@@ -218,18 +233,22 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
                    f"holds {wrong[0]} in another shape" if wrong else "")
     except FileNotFoundError:
         problem = "is gone"
-    except (OSError, ValueError):
-        problem = "is gone or unreadable"
-    flags = torch.tensor([float(bool(problem))])
+    except ValueError:  # not a safetensors file
+        problem = "is unreadable"
+    except OSError as e:  # a read that failed (a bucket's, a network file system's): a retry may succeed
+        passing = f"{type(e).__name__}: {e}"
+    flags = torch.tensor([float(bool(problem)), float(bool(passing))])  # every rank learns what any rank met
     if torch.distributed.is_initialized():
         if torch.distributed.get_backend() == "nccl":  # NCCL reduces GPU tensors only
             flags = flags.cuda()
         torch.distributed.all_reduce(flags)
-    if flags.item():
+    if flags.any():
         if weights is not None:
             weights.close()
-        raise UserError(f"the best weights {path} {problem or 'are unusable on another rank'}: the checkpoint "
-                        "refers to weights that are not there (or belong to another model)")
+        if flags[0].item():
+            raise UserError(f"the best weights {path} {problem or 'are unusable on another rank'}: the checkpoint "
+                            "refers to weights that are not there (or belong to another model)")
+        raise OSError(f"reading the best weights {path} failed ({passing or 'on another rank'})")
     if any(hasattr(p, "ds_tensor") for _, p in trained):
         # DeepSpeed's own release of every gathered copy (persistent ones too): the next forward gathers the
         # partitions loaded here, not a whole value left from the last evaluation
@@ -331,6 +350,12 @@ def newest_unreported(filesystem, experiment_path: str, world: int, taken) -> tu
     newest = newest_complete(filesystem, experiment_path, world)
     step = reported_step(taken.filesystem, taken.path) if taken is not None else -1
     return newest, newest is not None and newest[0] > step
+
+
+def resume_choice(filesystem, experiment_path: str, world: int, taken, rank: int):
+    """`newest_unreported` as rank 0 finds it, on every rank (`from_rank0`): which checkpoint a restarted or resumed
+    run continues from, and whether it reports it again, drive collectives. Every rank calls this."""
+    return from_rank0(newest_unreported(filesystem, experiment_path, world, taken) if rank == 0 else None)
 
 
 _PARTITION = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")  # DeepSpeed's per-rank ZeRO files (optimizer; ZeRO-3 model)

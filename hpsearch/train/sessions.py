@@ -135,8 +135,8 @@ class RaySession:
         self.nodes = self.world_size // max(1, self.local_world_size)
         self._ckpt = ray.train.get_checkpoint()
         storage = ctx.get_storage()
-        newest, self.unregistered = checkpoints.newest_unreported(
-            storage.storage_filesystem, storage.experiment_fs_path, self.world_size, self._ckpt)
+        newest, self.unregistered = checkpoints.resume_choice(
+            storage.storage_filesystem, storage.experiment_fs_path, self.world_size, self._ckpt, self.rank)
         if self.unregistered:  # Ray (and so Tune, MLflow) never got its report: the loop reports it again
             self._ckpt = ray.train.Checkpoint(newest[1], filesystem=storage.storage_filesystem)
         self._resume_from = resume_from

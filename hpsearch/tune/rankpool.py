@@ -135,7 +135,8 @@ class PoolSession(TuneSession):
         self.fs, self.path = filesystem or fs.LocalFileSystem(), train_path
         self.local = filesystem is None
         check_shared(self.fs, self.path, self.rank)
-        self._newest, self.unregistered = checkpoints.newest_unreported(self.fs, self.path, self.world_size, taken)
+        self._newest, self.unregistered = checkpoints.resume_choice(self.fs, self.path, self.world_size, taken,
+                                                                    self.rank)
         self._resume_dir = None
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
