@@ -392,7 +392,8 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
     summary = Path(client.download_artifacts(parents[0].info.run_id, "report/summary.txt", str(tmp_path))).read_text()
     minutes = float(re.search(r"3 trials in ([\d.]+) min", summary).group(1))
     state = json.loads((tmp_path / "runs" / "resume" / "hpsearch-study.json").read_text())
-    assert state["finished"] == {"outcome": "report logged", "code": 0} and minutes == round(state["elapsed_s"] / 60, 1)
+    assert state["finished"] == {"outcome": "report logged", "code": 0, "status": "FINISHED", "ended": True}
+    assert minutes == round(state["elapsed_s"] / 60, 1)
     # a --resume of the finished study: nothing runs (no Ray), nothing is logged again, the report stays as it was
     parent = parents[0]
     logged = {k: client.get_metric_history(parent.info.run_id, k) for k in parent.data.metrics}
