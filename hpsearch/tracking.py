@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpsearch.errors import ConfigError
+from hpsearch.errors import ConfigError, UserError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 STUDY_TAG, TRIAL_TAG, ROLE_TAG, OUTCOME_TAG = "hpsearch.study", "hpsearch.trial_id", "hpsearch.role", "hpsearch.outcome"
@@ -157,6 +157,17 @@ def unreachable(e: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
+def outage(e: BaseException, what: str, then: str) -> UserError | None:
+    """The one line for `e` when it says the MLflow server stopped answering (None otherwise): `what` (the study,
+    the comparison) stopped, its runs left RUNNING (ending them would wait out MLflow's retries again, and fail),
+    and `then`, what to do once the server answers."""
+    server = unreachable(e)
+    if server is None:
+        return None
+    return UserError(f"the MLflow server {server} stopped answering (MLflow's retries spent): the {what} stopped, its "
+                     f"MLflow runs left RUNNING; {then}")
+
+
 def _client(uri: str):
     from mlflow import MlflowClient
     return MlflowClient(tracking_uri=uri)
@@ -218,17 +229,24 @@ class StudyRun:
         return self
 
     @classmethod
-    def reopen(cls, tracking_uri: str, run_id: str, command: str) -> StudyRun:
+    def existing(cls, tracking_uri: str, run_id: str) -> tuple[StudyRun, Any]:
+        """(the study's parent run `run_id` as it is, MLflow's record of it); a one-line error when the store does
+        not hold it."""
         open_store(tracking_uri)
         client = _client(tracking_uri)
         try:
             run = client.get_run(run_id)
         except Exception as e:  # mlflow.exceptions.MlflowException: not in this store
             raise ConfigError(f"--resume: the study's parent run {run_id} is not in {tracking_uri} ({e})") from None
-        client.update_run(run_id, status="RUNNING")
-        client.set_tag(run_id, "hpsearch.resumed", str(int(run.data.tags.get("hpsearch.resumed", "0")) + 1))
-        _log_text(client, run_id, command + "\n", f"command-resume-{int(time.time())}.txt")
-        return cls(tracking_uri, run.info.experiment_id, run_id)
+        return cls(tracking_uri, run.info.experiment_id, run_id), run
+
+    @classmethod
+    def reopen(cls, tracking_uri: str, run_id: str, command: str) -> StudyRun:
+        self, run = cls.existing(tracking_uri, run_id)
+        self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, "hpsearch.resumed", str(int(run.data.tags.get("hpsearch.resumed", "0")) + 1))
+        _log_text(self.client, run_id, command + "\n", f"command-resume-{int(time.time())}.txt")
+        return self
 
     def log_report(self, metrics: dict[str, float], tags: dict[str, str], files: dict[str, str],
                    folder: Path) -> None:

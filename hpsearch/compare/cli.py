@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from hpsearch.cli import Parser
-from hpsearch.errors import ConfigError, UserError
+from hpsearch.errors import ConfigError
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "search_spaces" / "compare-synthetic.yaml"
 INTERRUPTED = 130
@@ -148,12 +148,11 @@ def main(argv: list[str]) -> int:
         parent.finish("KILLED")
         raise
     except BaseException as e:  # the driver crashed
-        from hpsearch.tracking import unreachable
-        server = unreachable(e)
-        if server:  # ending the runs would wait out MLflow's retries again, and fail
-            raise UserError(f"the MLflow server {server} stopped answering (MLflow's retries spent): the "
-                            "comparison stopped, its MLflow runs left RUNNING; a comparison does not resume: run it "
-                            "again (a new --name) once the server answers") from None
+        from hpsearch.tracking import outage
+        down = outage(e, "comparison", "a comparison does not resume: run it again (a new --name) once the server "
+                                       "answers")
+        if down:
+            raise down from None
         parent.finish("FAILED")
         raise
     shutdown_ray()  # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (in Ray's logs)

@@ -294,9 +294,7 @@ def _already_finished(study: Study, state: dict) -> int:
     done = state["finished"]
     if not done.get("ended", True):
         study.storage.push(study.name, "report")
-        run = StudyRun(state["tracking_uri"], "", state["parent_run_id"])
-        run.experiment_id = run.client.get_run(run.run_id).info.experiment_id
-        run.finish(done["status"], over=True)
+        StudyRun.existing(state["tracking_uri"], state["parent_run_id"])[0].finish(done["status"], over=True)
         study.update_state(finished={**done, "ended": True})
     print(f"[hpsearch.tune] study '{study.name}' already finished ({done['outcome']}): nothing to resume; its "
           f"report is in MLflow {state['tracking_uri']}, run {state['parent_run_id']} (report/summary.txt); "
@@ -317,12 +315,10 @@ def _run_and_end(study: Study, parent, make_tuner) -> int:
         raise
     except Exception as e:  # e.g. Tune's own state, a trial's error file or the report could not be written
         from hpsearch.errors import disk_full
-        from hpsearch.tracking import unreachable
-        server = unreachable(e)
-        if server:  # ending the runs would wait out MLflow's retries again, and fail: a resume reopens them
-            raise UserError(f"the MLflow server {server} stopped answering (MLflow's retries spent): the study "
-                            f"stopped, its MLflow runs left RUNNING; once the server answers, continue with: "
-                            f"{_resume_command(study)}") from None
+        from hpsearch.tracking import outage
+        down = outage(e, "study", f"once the server answers, continue with: {_resume_command(study)}")
+        if down:  # a resume reopens the runs
+            raise down from None
         parent.finish("FAILED")
         if disk_full(e) or (not study.storage.remote and shutil.disk_usage(study.dir.parent).free < 2**20):
             raise _no_space(study, resume=True) from None
