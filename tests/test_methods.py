@@ -403,7 +403,8 @@ def test_the_backbone_is_hooked_only_where_the_method_has_work(name, batch, monk
     hooked = hooked_sites(model)
     assert hooked == {site for site in sites if model.hooks_site(site)}
     expected = {"mtl": set(), "prompt_tuning": set(), "prefix": set(), "lora": {"q", "v"}, "mam": {"ffn_residual"},
-                "pha": {"ffn"}, "adapter-ffn": {"ffn"}, "adapter-attention": {"attention"}}
+                "pha": {"ffn_residual"}, "adapter-ffn": {"ffn"}, "adapter-attention": {"attention"},
+                "adapter-parallel": {"attention_residual", "ffn_residual"}}
     kinds = {site[2] for site in hooked}
     assert kinds == expected.get(name, set() if name.startswith("hyperprompt") else {"attention", "ffn"}), kinds
     monkeypatch.setattr(type(model), "hooks_site", lambda self, site: True)
@@ -728,22 +729,36 @@ def test_mam_feed_forward_equals_hand_written_scaled_parallel_adapter(side, batc
     assert (got - h - ff.DenseReluDense(x)).abs().max() > 1e-2  # the adapter matters
 
 
-def test_mams_adapter_is_added_after_t5s_dropout(batch):
-    """methods.md: h + dropout(FFN(LN h)) + s * adapter(LN h). In training, with the FFN's output zeroed (so its
-    dropout adds nothing), every entry of the branch arrives whole: none dropped, none rescaled by 1 / (1 - p)."""
-    model = perturb(make("mam", config=tiny_config(dropout_rate=0.5)))
+def parallel_branch_by_hand(name, model, side, layer, x, task_ids):
+    """The branch a parallel-adapter method adds beside the feed-forward sublayer, from the raw parameters."""
+    out = []
+    for row, t in enumerate(task_ids.tolist()):
+        if name == "pha":
+            D, c, U, u = pha_weights_by_hand(model, t, model.blocks.index((side, layer)))
+            s = 1.0
+        else:
+            a = model.adapters[f"{side}_{layer}" if name == "mam" else f"{side}_{layer}_ffn"]
+            D, c, U, u = a.down_weight[t], a.down_bias[t], a.up_weight[t], a.up_bias[t]
+            s = SETUPS[name][1]["mam_scale" if name == "mam" else "adapter_scale"]
+        out.append(s * (torch.relu(x[row] @ D.T + c) @ U.T + u))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ["mam", "pha", "adapter-parallel"])
+def test_parallel_adapters_are_added_after_t5s_dropout(name, batch):
+    """MAM (methods.md), PHA and the unified view's parallel adapter, as their code adds them: h + dropout(FFN(LN h))
+    + branch(LN h). In training, with the FFN's output zeroed (so its dropout adds nothing), every entry of the
+    branch arrives whole: none dropped, none rescaled by 1 / (1 - p)."""
+    model = perturb(make(name, config=tiny_config(dropout_rate=0.5)))
     ff = model.t5.encoder.block[1].layer[-1]
     with torch.no_grad():
         ff.DenseReluDense.wo.weight.zero_()
     model.train()
     ff_, h, got = feed_forward_in_out(model, "encoder", 1, batch)
-    a, s = model.adapters["encoder_1"], SETUPS["mam"][1]["mam_scale"]
     with torch.no_grad():
-        x = ff.layer_norm(h)
-        want = torch.stack([h[row] + s * (torch.relu(x[row] @ a.down_weight[t].T + a.down_bias[t])
-                                          @ a.up_weight[t].T + a.up_bias[t])
-                            for row, t in enumerate(batch["task_ids"].tolist())])
-    assert (got - want).abs().max() <= 1e-5
+        branch = parallel_branch_by_hand(name, model, "encoder", 1, ff.layer_norm(h), batch["task_ids"])
+    assert branch.abs().max() > 1e-2  # the branch matters
+    torch.testing.assert_close(got, h + branch, rtol=1e-5, atol=1e-5)
 
 
 # ---- PHA -----------------------------------------------------------------------------------------------------

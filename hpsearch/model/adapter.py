@@ -1,14 +1,16 @@
 """Adapter: per-task bottleneck adapters (Houlsby et al. 2019) made multi-task as in HyperFormer's baseline.
 
 In every block of both stacks, at the self-attention sublayer and/or the feed-forward sublayer
-(`adapter_sites`: attention | ffn | both), the sublayer output y (before T5's dropout and residual) becomes
+(`adapter_sites`: attention | ffn | both), with y = sublayer(LN h) the sublayer's output and x = LN h its input:
 
-    sequential:  y' = y + s * (U_tau(ReLU(D_tau y + c_tau)) + u_tau)      D_tau: d -> b, U_tau: b -> d, per task tau
-    parallel:    y' = y + s * (U_tau(ReLU(D_tau x + c_tau)) + u_tau)      x: the sublayer's input (T5's LN h)
+    sequential:  h' = h + dropout(y + s * (U_tau(ReLU(D_tau y + c_tau)) + u_tau))     D_tau: d -> b, U_tau: b -> d
+    parallel:    h' = h + dropout(y) + s * (U_tau(ReLU(D_tau x + c_tau)) + u_tau)     per task tau
 
-(`adapter_insertion`, default sequential: HyperFormer's placement; the issue's form: ReLU, no layer norm. The
-parallel form and the composition scale s = `adapter_scale`, default 1, are the unified view's axes (He et al.
-2022): parallel insertion and a scaled sum did better there.) Weights start at N(0, 0.01^2) and biases at
+(`adapter_insertion`, default sequential: HyperFormer's placement, the adapter on the sublayer's output before
+T5's dropout and residual; the issue's form: ReLU, no layer norm. The parallel form and the composition scale
+s = `adapter_scale`, default 1, are the unified view's axes (He et al. 2022): parallel insertion and a scaled sum
+did better there. Its parallel adapter is added beside the residual, after the sublayer's dropout, as in its code
+and MAM's: the base class's `residual_branch` hook.) Weights start at N(0, 0.01^2) and biases at
 zero as in HyperFormer's code, so a new adapter is close to the identity.
 
 Extra parameters (T tasks, S adapted sublayers = (L_enc + L_dec) * (2 if both else 1), b = `bottleneck`):
@@ -64,6 +66,7 @@ class TaskAdapter(nn.Module):
 
 
 ADAPTED_KINDS = {"both": ("attention", "ffn"), "attention": ("attention",), "ffn": ("ffn",)}  # adapter_sites
+RESIDUAL = "_residual"  # the base class's residual sites: "attention_residual", "ffn_residual"
 
 
 def adapted_sites(t5, adapter_sites: str) -> list[Site]:
@@ -85,10 +88,14 @@ class AdapterT5(MultiTaskT5):
                                        for s in self.sites})
 
     def hooks_site(self, site: Site) -> bool:
-        return site[2] in ADAPTED_KINDS[self.cfg.adapter_sites]
+        side, layer, kind = site
+        if self.cfg.adapter_insertion == "parallel":  # the whole sublayer (its residual), not its inner module
+            return kind.endswith(RESIDUAL) and kind.removesuffix(RESIDUAL) in ADAPTED_KINDS[self.cfg.adapter_sites]
+        return kind in ADAPTED_KINDS[self.cfg.adapter_sites]
 
-    def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
-        name = site_name(site)
+    def residual_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+        side, layer, kind = site
+        name = site_name((side, layer, kind.removesuffix(RESIDUAL)))
         if self.cfg.adapter_insertion != "parallel" or name not in self.adapters:
             return None
         return self.adapters[name](x, ctx)

@@ -8,7 +8,8 @@ As its public code lays it out (Bumble666/PHA, built on HyperDecoders), with p =
     k_tau                                      learned task prototypes [T, p]
     I     = LayerNorm(W2 ReLU(W1 [k_tau; e_m] + c1) + c2)    hypernetwork 2p -> h -> p; e_m a block embedding [M, p]
     D, c, U, u = heads(I)                      block m's parallel feed-forward adapter for task tau (d -> b -> d)
-    h'    = h + dropout(FFN(LN h) + U ReLU(D LN h + c) + u)  in every block of both stacks
+    h'    = h + dropout(FFN(LN h)) + U ReLU(D LN h + c) + u  in every block of both stacks (upstream's
+                                               T5LayerFFWithAdapter: after T5's dropout, beside the residual)
     L     = L_LM + lambda (L_IR + L_Pro)       lambda = `pha_loss_weight` (0.1)
     L_IR  = mean_i -log( sum_{j != i, task j = task i} e^{s_ij / t} / sum_{j != i} e^{s_ij / t} )
                                                over the rows that have a same-task partner in the batch
@@ -117,11 +118,11 @@ class PHAT5(MultiTaskT5):
         return self.prototypes(self._arange(len(self.tasks), device))
 
     def hooks_site(self, site: Site) -> bool:
-        return site[2] == "ffn"  # a parallel adapter beside each feed-forward sublayer, nothing elsewhere
+        return site[2] == "ffn_residual"  # a parallel adapter beside each feed-forward sublayer, nothing elsewhere
 
-    def parallel_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
+    def residual_branch(self, ctx: TaskContext, site: Site, x: torch.Tensor) -> torch.Tensor | None:
         side, layer, kind = site
-        if kind != "ffn":
+        if kind != "ffn_residual":
             return None
         down_w, down_b, up_w, up_b = (w.to(x.dtype) for w in ctx.rows((side, layer), x.shape[0]))
         return row_bottleneck(x, down_w, down_b, up_w, up_b)
