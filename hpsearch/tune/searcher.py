@@ -3,7 +3,8 @@
 Ray's `OptunaSearch.on_trial_complete` tells Optuna every trial that did not fail as COMPLETE with its last
 score, so a trial ASHA stopped after one evaluation would count as finished with a truncated score: TPE would
 learn from scores of different budgets. Here such a trial is told as PRUNED (single-objective TPE still ranks it by
-its reported intermediate values; multi-objective TPE leaves it out).
+its reported intermediate values, the last of them the result it was stopped on, which Tune does not hand a
+searcher's `on_trial_result`; multi-objective TPE leaves it out).
 
 A trial the study's Optuna storage already shows finished is not reported or told again: Optuna writes a trial's
 end at once, Tune saves its own state (this searcher's included) every 10 s or more, so a driver killed in between
@@ -91,7 +92,19 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         stopped_early = bool(result) and not error and result.get("step", 0) < self._max_steps
         if stopped_early and trial_id in self._ot_trials:
             from optuna.trial import TrialState
+            self._report_stopping_result(trial_id, result)
             self._ot_study.tell(self._ot_trials[trial_id], state=TrialState.PRUNED, skip_if_finished=True)
             self._completed_trials.add(trial_id)
             return
         super().on_trial_complete(trial_id, result=result, error=error)
+
+    def _report_stopping_result(self, trial_id: str, result: dict) -> None:
+        """The result a trial was stopped on, as its last intermediate value. Tune gives a searcher only the results
+        of trials it lets go on (a STOP decision skips `on_trial_result`), so a trial ASHA stopped at its first rung
+        had no value at all, and one stopped later was ranked by the rung before."""
+        if isinstance(self.metric, list) or self.metric not in result:  # multi-objective: Optuna takes no values
+            return
+        from ray.tune.result import TRAINING_ITERATION
+        trial, step = self._ot_trials[trial_id], result.get(TRAINING_ITERATION)
+        if step is not None and step not in trial.storage.get_trial(trial._trial_id).intermediate_values:
+            trial.report(result[self.metric], step)
