@@ -99,6 +99,17 @@ def test_default_space_shape():
      r"space.yaml:5: search.train.num_workers: cannot be searched"),
     (BASE + "points_to_evaluate:\n  - {model.layer_task_dim: 100}\n",
      r"space.yaml:9: points_to_evaluate\[0\].model.layer_task_dim: 100 is outside the searched range"),
+    # off the step grid: Optuna would train it, and the report's rebuilt study then refused it (a traceback at the
+    # end of every run and --resume)
+    (BASE + "points_to_evaluate:\n  - {model.variant: global, model.layer_task_dim: 12}\n",
+     r"space.yaml:9: points_to_evaluate\[0\].model.layer_task_dim: 12 is outside the searched range; expected a "
+     r"value from 8 to 64 in steps of 8$"),
+    # a high off the step grid: Optuna would lower it to 56, warning, and refuse a point at 60 in the report
+    (BASE.replace("high: 64", "high: 60"), r"space.yaml:4: search.model.layer_task_dim.high: 60 is not low 8 plus a "
+                                           r"whole number of steps of 8; expected high: 56"),
+    (BASE.replace("type: loguniform, low: 1.0e-4, high: 1.0e-2", "type: uniform, low: 0.001, high: 0.0105, "
+                  "step: 0.002"), r"space.yaml:5: search.train.lr.high: 0.0105 is not low 0.001 plus a whole "
+                                  r"number of steps of 0.002; expected high: 0.009 "),
     (BASE + "points_to_evaluate:\n  - {model.varient: share}\n",
      r"space.yaml:9: points_to_evaluate\[0\]: 'model.varient' is not searched; expected some of model.variant"),
     ("name: t\nsearch: {}\n", r"space.yaml:2: search: nothing to search"),
@@ -389,16 +400,24 @@ def test_searcher_records_asha_stopped_trials_as_pruned(tmp_path):
     from hpsearch.tune.study import make_searcher
 
     space = load_space(write(tmp_path, BASE))
+    assert space.config.train.max_steps == 40
     searcher = make_searcher(space)
-    for trial_id, steps in (("a", 40), ("b", 20)):
+    # as Tune calls a searcher: a result its scheduler (or stopper) stops the trial on never reaches
+    # `on_trial_result`, only `on_trial_complete`; a trial that ends by itself reports its last result as ever
+    for trial_id, steps, stopped in (("a", 40, False), ("b", 20, True), ("c", 30, True)):
         searcher.suggest(trial_id)
-        for step in range(20, steps + 1, 20):  # the score peaks at step 20 (0.5), then falls
-            result = {"score": 0.7 - step / 100, "best_score": 0.5, "step": step, "training_iteration": step // 20}
-            searcher.on_trial_result(trial_id, result)
+        for step in range(10, steps + 1, 10):  # the score peaks at step 10, then falls
+            result = {"score": 0.7 - step / 100, "best_score": {"a": 0.5, "b": 0.45, "c": 0.4}[trial_id] + step / 1000,
+                      "step": step, "training_iteration": step // 10}
+            if not (stopped and step == steps):
+                searcher.on_trial_result(trial_id, result)
         searcher.on_trial_complete(trial_id, result)
-    states = [t.state for t in searcher._ot_study.trials]
-    assert states == [TrialState.COMPLETE, TrialState.PRUNED]
-    assert searcher._ot_study.trials[0].value == 0.5  # Optuna is told the best-validation score, not the last
+    trials = searcher._ot_study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED, TrialState.PRUNED]
+    assert trials[0].value == pytest.approx(0.54)  # Optuna is told the best-validation score, not the last
+    # a stopped trial's intermediate values end with the result it was stopped on (TPE ranks it by them)
+    assert trials[1].intermediate_values == pytest.approx({1: 0.46, 2: 0.47})
+    assert trials[2].intermediate_values == pytest.approx({1: 0.41, 2: 0.42, 3: 0.43})
 
 
 def test_the_default_optuna_database_is_beside_the_mlflow_store_or_the_studies(tmp_path, monkeypatch):
@@ -786,3 +805,22 @@ def test_a_resume_after_the_report_was_logged_only_ends_what_the_end_left(tmp_pa
     end = run.info.end_time
     assert cli._already_finished(study, load_state(study.dir)) == 0  # again: nothing left to do
     assert client.get_run(parent.run_id).info.end_time == end
+
+
+def test_a_point_is_in_the_space_exactly_when_optuna_takes_it(tmp_path):
+    """`Param.contains` (points_to_evaluate) agrees with Optuna's `create_trial`, which the report's rebuilt study
+    applies: on the bounds and the step grid, for int and float steps."""
+    text = BASE.replace("type: loguniform, low: 1.0e-4, high: 1.0e-2", "type: uniform, low: 0.001, high: 0.009, "
+                                                                       "step: 0.002")
+    space = load_space(write(tmp_path, text))
+    cases = {"model.layer_task_dim": [8, 12, 16, 56, 60, 64, 72, 0, 16.0],
+             "train.lr": [0.001, 0.002, 0.003, 0.007, 0.009, 0.0091, 0.011, 0.0]}
+    for name, values in cases.items():
+        param = space.param(name)
+        for value in values:
+            try:
+                optuna.trial.create_trial(params={name: value}, distributions={name: param.distribution()}, value=0)
+                taken = True
+            except ValueError:
+                taken = False
+            assert param.contains(value) == taken, (name, value, taken)

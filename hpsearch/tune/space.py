@@ -104,7 +104,16 @@ class Param:
             return False
         if self.type == "int" and value != int(value):
             return False
-        return self.low <= value <= self.high
+        if not self.low <= value <= self.high:
+            return False
+        # on the step grid, as Optuna's distribution requires (its `create_trial`, when the report rebuilds the study,
+        # refuses a value off it); tested against Optuna's own check (Optuna is not imported here: the driver checks
+        # a space before it loads any heavy library)
+        step = self.step or (1 if self.type == "int" else None)
+        if step is None:
+            return True
+        steps = (value - self.low) / step
+        return abs(steps - round(steps)) < 1e-8
 
     def extremes(self) -> list:
         return list(self.choices) if self.type == "categorical" else [self.low, self.high]

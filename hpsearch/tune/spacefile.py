@@ -230,6 +230,12 @@ def _check_shape(p: Param, at_key) -> None:
             raise ConfigError(f"{where('step')}: a step cannot be combined with log: true")
         if p.type == "int" and p.step != int(p.step):
             raise ConfigError(f"{where('step')}: {p.step!r}; expected an integer step for type int")
+        steps = (p.high - p.low) / p.step
+        if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):  # Optuna would lower high to the grid, warning
+            top = p.low + math.floor(steps + 1e-9) * p.step
+            top = int(top) if p.type == "int" else float(f"{top:.12g}")
+            raise ConfigError(f"{where('high')}: {p.high!r} is not low {p.low!r} plus a whole number of steps of "
+                              f"{p.step!r}; expected high: {top!r} (or a step that divides high - low)")
 
 
 def _validate_params(space: SearchSpace, at) -> None:
@@ -340,7 +346,12 @@ def _validate_points(space: SearchSpace, at) -> None:
                 raise ConfigError(f"{where}: points_to_evaluate[{i}]: {key!r} is not searched; expected some of "
                                   f"{', '.join(names)}")
             if not names[key].contains(value):
-                raise ConfigError(f"{where}: points_to_evaluate[{i}].{key}: {value!r} is outside the searched range")
+                p = names[key]
+                grid = f" in steps of {p.step!r}" if p.step else ""
+                expected = f"one of {p.choices!r}" if p.type == "categorical" else \
+                    f"a value from {p.low!r} to {p.high!r}{grid}"
+                raise ConfigError(f"{where}: points_to_evaluate[{i}].{key}: {value!r} is outside the searched range; "
+                                  f"expected {expected}")
 
 
 def _validate_budget(space: SearchSpace, at) -> None:
