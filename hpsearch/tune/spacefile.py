@@ -355,7 +355,7 @@ def _validate_points(space: SearchSpace, at) -> None:
 
 
 def _validate_budget(space: SearchSpace, at) -> None:
-    b, r, t = space.budget, space.resources, space.config.train
+    b, r, t, s = space.budget, space.resources, space.config.train, space.sampler
     checks = [
         ("budget.trials", b.trials >= 1, "an integer >= 1"),
         ("budget.reduction_factor", b.reduction_factor >= 2, "an integer >= 2"),
@@ -372,11 +372,14 @@ def _validate_budget(space: SearchSpace, at) -> None:
         ("resources.driver_resource", r.driver_resource is None or (
             isinstance(r.driver_resource, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.driver_resource)
             and r.driver_resource not in ("CPU", "GPU", "memory")), "the name of a custom resource or null"),
+        # Optuna's TPE seeds numpy, which takes 0 <= seed < 2**32: anything else failed once Ray had started
+        ("sampler.seed", 0 <= s.seed <= 2**32 - 1, "an integer in [0, 2**32 - 1]"),
+        ("sampler.n_startup_trials", s.n_startup_trials >= 0, "an integer >= 0"),
     ]
     for key, ok, expected in checks:
         if not ok:
             section, _, name = key.partition(".")
-            value = getattr(b if section == "budget" else r, name)
+            value = getattr({"budget": b, "resources": r, "sampler": s}[section], name)
             value = getattr(t, ALIASES[key].split(".")[1]) if value is None and key in ALIASES else value
             raise ConfigError(f"{at(key)}: {key}: {value!r}; expected {expected}")
 
