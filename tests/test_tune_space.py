@@ -114,6 +114,10 @@ def test_default_space_shape():
      r"space.yaml:9: points_to_evaluate\[0\]: 'model.varient' is not searched; expected some of model.variant"),
     ("name: t\nsearch: {}\n", r"space.yaml:2: search: nothing to search"),
     (BASE + "resources:\n  trial_cpus: 0\n", r"space.yaml:10: resources.trial_cpus: 0.0; expected a number > 0"),
+    (BASE + "sampler:\n  seed: -1\n", r"space.yaml:10: sampler.seed: -1; expected an integer in \[0, 2\*\*32 - 1\]"),
+    (BASE + "sampler:\n  seed: 4294967296\n", r"space.yaml:10: sampler.seed: 4294967296; expected an integer in"),
+    (BASE + "sampler:\n  n_startup_trials: -5\n",
+     r"space.yaml:10: sampler.n_startup_trials: -5; expected an integer >= 0"),
     (BASE + "resources:\n  worker_group: never\n",
      r"space.yaml:10: resources.worker_group: 'never'; expected auto or always or pool"),
     (BASE.replace("train.lr:", "train.lr: [1"), r"space.yaml:\d: malformed YAML"),
@@ -824,3 +828,27 @@ def test_a_point_is_in_the_space_exactly_when_optuna_takes_it(tmp_path):
             except ValueError:
                 taken = False
             assert param.contains(value) == taken, (name, value, taken)
+
+
+def test_a_failed_state_write_leaves_the_last_state_resumable(tmp_path, monkeypatch):
+    """The study's state is replaced whole: a write that fails half-way (a full disk, here the flush to the disk
+    failing) leaves the state saved before, which --resume reads, and no temporary file."""
+    import errno
+
+    from hpsearch.tune import study as study_module
+    from hpsearch.tune.study import Study, load_state
+
+    space_path = write(tmp_path, BASE)
+    study = Study("s", tmp_path / "runs" / "s", load_space(space_path))
+    study.save_state({"name": "s", "overrides": [], "tracking_uri": "sqlite:///m.db", "parent_run_id": "r",
+                      "space_text": space_path.read_text(), "elapsed_s": 1.0})
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(study_module.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        study.update_state(elapsed_s=2.0, notes="x" * 100_000)
+    monkeypatch.undo()
+    assert load_state(study.dir)["elapsed_s"] == 1.0
+    assert sorted(p.name for p in study.dir.iterdir()) == ["hpsearch-study.json", "space.yaml"]
+    assert study.update_state(elapsed_s=3.0)["elapsed_s"] == 3.0 and load_state(study.dir)["elapsed_s"] == 3.0

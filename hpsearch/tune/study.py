@@ -109,10 +109,11 @@ class Study:
         return self.dir / STATE_FILE
 
     def save_state(self, state: dict) -> None:
-        """The state a resume needs, and the study's own copy of its space file."""
+        """The state a resume needs, and the study's own copy of its space file, each replaced whole: a write that
+        fails (a full disk, a kill) leaves the last state, which `--resume` can read."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.state_file.write_text(json.dumps(state, indent=2) + "\n")
-        (self.dir / SPACE_COPY).write_text(state["space_text"])
+        _replace_text(self.state_file, json.dumps(state, indent=2) + "\n")
+        _replace_text(self.dir / SPACE_COPY, state["space_text"])
         self.storage.push(self.name, STATE_FILE, SPACE_COPY)
 
     def update_state(self, **values) -> dict:
@@ -120,6 +121,20 @@ class Study:
         state = {**load_state(self.dir), **values}
         self.save_state(state)
         return state
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, flush it to the disk, then rename it onto `path`."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _size(path: Path) -> int:
