@@ -186,7 +186,17 @@ def test_resume_without_a_study_and_a_second_start_are_one_line_errors(tmp_path)
     args = [sys.executable, "-m", "hpsearch.tune", "--storage-path", str(tmp_path / "runs"), "--name", "s1"]
     out = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--resume: no study 's1' in" in out.stderr and "Traceback" not in out.stderr
+    # a folder without a state (a start killed before it saved one): neither command sends the user to the other
     (tmp_path / "runs" / "s1").mkdir(parents=True)
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == f"error: --name s1: {tmp_path / 'runs' / 's1'} holds a study that " \
+        "saved no state yet (a start of it under way, or stopped before it saved one): if none is running, remove " \
+        "that folder to start it again, or choose another --name\n", out.stderr
+    out = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == f"error: --resume: the study 's1' in {tmp_path / 'runs'} saved no " \
+        "state yet (a start of it under way, or stopped before it saved one): nothing to resume; if none is " \
+        f"running, remove {tmp_path / 'runs' / 's1'} and start it without --resume\n", out.stderr
+    (tmp_path / "runs" / "s1" / "hpsearch-study.json").write_text("{}")
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "a study of that name already exists" in out.stderr
 
@@ -202,14 +212,14 @@ def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_
     second, _ = prepare(parse_args(["--storage-path", str(runs), "train.lr=2e-3"]))
     assert second.name == "default-2" and second.dir != first.dir
     named, _ = prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
-    with pytest.raises(UserError, match="--name s1: a study of that name already exists"):
+    with pytest.raises(UserError, match=r"--name s1: .* holds a study that saved no state yet \(a start"):
         prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
     # both past that check at once: the second to create the folder stops
     with pytest.raises(UserError, match="--name s1: a study of that name has just started in"):
         _claim(named.storage, "s1", named.dir, False, "default", set())
     again, _ = prepare(parse_args(["--storage-path", str(runs)]))
     assert again.name == "default-3"
-    with pytest.raises(UserError, match="no study 'default-3'"):  # the newest; it has no saved state here
+    with pytest.raises(UserError, match="the study 'default-3' .* saved no state yet"):  # the newest; no state here
         prepare(parse_args(["--storage-path", str(runs), "--resume"]))
 
 

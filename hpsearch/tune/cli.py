@@ -69,6 +69,11 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         if args.space and not space_path.is_file():
             raise ConfigError(f"--space {args.space}: no such file; drop --space (--resume continues with the "
                               "study's own copy)")
+        if storage.exists(name) and not storage.exists(name, STATE_FILE):  # claimed by a start under way or killed
+            raise ConfigError(f"--resume: the study '{name}' in {storage.uri} saved no state yet (a start of it under "
+                              "way, or stopped before it saved one): nothing to resume; if none is running, remove "
+                              f"{storage.remote_path(name) if storage.remote else study_dir} and start it without "
+                              "--resume")
         state = load_state(study_dir)
         if args.space and space_path.read_text() != state["space_text"]:
             raise ConfigError(f"--space {args.space}: differs from the space study '{name}' started with; --resume "
@@ -91,7 +96,11 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         name = args.name or _next_free_study(storage, space.name, recorded)
         study_dir = _study_dir(storage, name)
         if storage.exists(name):
-            where = study_dir if not storage.remote else storage.uri
+            where = study_dir if not storage.remote else storage.remote_path(name)
+            if not storage.exists(name, STATE_FILE):  # claimed by a start still under way, or killed before it saved
+                raise ConfigError(f"--name {name}: {where} holds a study that saved no state yet (a start of it "
+                                  "under way, or stopped before it saved one): if none is running, remove that "
+                                  "folder to start it again, or choose another --name")
             raise ConfigError(f"--name {name}: a study of that name already exists in {where}; add --resume to "
                               "continue it, or choose another --name")
         if name in recorded:  # Optuna would append this study's trials to the old one's

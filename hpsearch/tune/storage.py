@@ -65,11 +65,12 @@ class Storage:
         infos = self.fs.get_file_info(fs.FileSelector(self.root, allow_not_found=True))
         return sorted(i.base_name for i in infos if i.type == fs.FileType.Directory)
 
-    def exists(self, name: str) -> bool:
+    def exists(self, name: str, *parts: str) -> bool:
+        """Whether the study's folder (or a file in it) exists."""
         if not self.remote:
-            return self.study_dir(name).exists()
+            return self.study_dir(name).joinpath(*parts).exists()
         from pyarrow import fs
-        return self.fs.get_file_info(self.remote_path(name)).type != fs.FileType.NotFound
+        return self.fs.get_file_info(self.remote_path(name, *parts)).type != fs.FileType.NotFound
 
     def check_writable(self) -> None:
         """One line if the folder cannot be created or written (local), or the bucket is missing or refuses a
