@@ -194,3 +194,17 @@ def test_a_task_objective_ranks_by_the_delivered_checkpoints_task_score_and_ties
         study.space.objectives = [Objective(metric, mode)]
         text = report.render(report.build(study, None, tmp_path / "plots"), 1.0, "MLflow: x")
         assert "a tie" not in text, metric
+
+
+@pytest.mark.parametrize("objective,best", [("{metric: extra_params, mode: min}", "d"),
+                                            ("{metric: extra_params, mode: max}", "c"),
+                                            ("{metric: score, mode: max}", "b")])
+def test_the_best_trial_follows_the_primary_objectives_direction(tmp_path, monkeypatch, objective, best):
+    """The fewest extra parameters win under `min` (d: 40,000; e has fewer but was stopped), the most under `max`."""
+    text = (SPACES / "default.yaml").read_text().replace(
+        "  - {metric: score, mode: max}\n  - {metric: extra_params, mode: min}\n", f"  - {objective}\n")
+    assert text.count(objective) == 1
+    (tmp_path / "space.yaml").write_text(text)
+    study = Study("s", tmp_path / "s", load_space(tmp_path / "space.yaml"))
+    monkeypatch.setattr(report, "collect", lambda study, grid: rows())
+    assert report.build(study, None, tmp_path / "plots").best.trial_id == best

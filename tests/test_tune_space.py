@@ -862,3 +862,32 @@ def test_a_failed_state_write_leaves_the_last_state_resumable(tmp_path, monkeypa
     assert load_state(study.dir)["elapsed_s"] == 1.0
     assert sorted(p.name for p in study.dir.iterdir()) == ["hpsearch-study.json", "space.yaml"]
     assert study.update_state(elapsed_s=3.0)["elapsed_s"] == 3.0 and load_state(study.dir)["elapsed_s"] == 3.0
+
+
+def test_resume_keeps_the_studys_own_space_and_overrides_and_a_recorded_optuna_study_is_not_appended_to(tmp_path):
+    """--resume continues with the study's own copy of its space and its overrides (others are one line naming
+    what differs); a new study never appends its trials to an Optuna study of the same name."""
+    from hpsearch.tune import optuna_store
+    from hpsearch.tune.cli import parse_args, prepare
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["--storage-path", str(tmp_path / "runs"), "--tracking-uri", uri]
+    space_path = write(tmp_path, BASE)
+    study, _ = prepare(parse_args([*args, "--space", str(space_path), "--name", "s", "train.lr=2e-3"]))
+    study.save_state({"name": "s", "space_path": str(space_path), "space_text": space_path.read_text(),
+                      "overrides": ["train.lr=2e-3"], "tracking_uri": uri, "parent_run_id": "r",
+                      "optuna_storage": study.optuna_storage})
+    resumed, _ = prepare(parse_args([*args, "--name", "s", "--resume"]))
+    assert resumed.space.config.train.lr == 2e-3  # the study's own overrides
+    with pytest.raises(UserError, match=r"^--resume: overrides \['train.lr=3e-3'\] differ from the study's "
+                                        r"\['train.lr=2e-3'\]; drop them"):
+        prepare(parse_args([*args, "--name", "s", "--resume", "train.lr=3e-3"]))
+    other = tmp_path / "other.yaml"
+    other.write_text(BASE.replace("max_steps: 40", "max_steps: 60"))
+    with pytest.raises(UserError, match=rf"^--space {other}: differs from the space study 's' started with"):
+        prepare(parse_args([*args, "--name", "s", "--resume", "--space", str(other)]))
+    optuna.create_study(study_name="taken", storage=optuna_store.default_url(uri, tmp_path / "runs"))
+    with pytest.raises(UserError, match=r"^--name taken: the Optuna storage sqlite:///.*optuna.db already holds a "
+                                        r"study of that name; choose another --name or --optuna-storage$"):
+        prepare(parse_args([*args, "--name", "taken"]))
+    assert not (tmp_path / "runs" / "taken").exists()  # nothing claimed
