@@ -891,3 +891,47 @@ def test_resume_keeps_the_studys_own_space_and_overrides_and_a_recorded_optuna_s
                                         r"study of that name; choose another --name or --optuna-storage$"):
         prepare(parse_args([*args, "--name", "taken"]))
     assert not (tmp_path / "runs" / "taken").exists()  # nothing claimed
+
+
+def test_ashas_rungs_are_restored_with_the_searcher_on_resume(tmp_path):
+    """Tune restores the searcher's saved state but builds the scheduler afresh: a resumed study's ASHA had empty
+    rungs, so the next trial passed the first rung whatever its score. The rungs are saved with the searcher: after a
+    save and restore (Tune's own calls, into a new searcher and scheduler as `--resume` makes them) a poor trial
+    is stopped at the first rung by the scores recorded before the interruption."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from hpsearch.tune.searcher import RungKeepingASHA
+    from hpsearch.tune.study import make_searcher
+
+    space = load_space(write(tmp_path, BASE))  # max_steps 40, first rung at 20
+
+    def fresh():
+        searcher = make_searcher(space)
+        scheduler = RungKeepingASHA(time_attr="step", metric="score", mode="max", max_t=40, grace_period=20,
+                                    reduction_factor=2)
+        # Tune hands the scheduler its controller, whose search_alg wraps the searcher
+        return searcher, scheduler, SimpleNamespace(search_alg=SimpleNamespace(searcher=searcher))
+
+    searcher, scheduler, controller = fresh()
+    for tid, score in (("a", 0.7), ("b", 0.8), ("c", 0.9)):
+        trial = SimpleNamespace(trial_id=tid)
+        searcher.suggest(tid)
+        scheduler.on_trial_add(controller, trial)
+        assert scheduler.on_trial_result(controller, trial, {"step": 20, "score": score}) == TrialScheduler.CONTINUE
+    searcher.save(str(tmp_path / "searcher.pkl"))  # the driver is interrupted here
+
+    restored, scheduler, controller = fresh()
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    for tid in ("a", "b", "c"):  # Tune re-adds the restored trials
+        scheduler.on_trial_add(controller, SimpleNamespace(trial_id=tid))
+    poor = SimpleNamespace(trial_id="d")
+    scheduler.on_trial_add(controller, poor)
+    assert scheduler.on_trial_result(controller, poor, {"step": 20, "score": 0.1}) == TrialScheduler.STOP
+    good = SimpleNamespace(trial_id="e")
+    scheduler.on_trial_add(controller, good)
+    assert scheduler.on_trial_result(controller, good, {"step": 20, "score": 0.95}) == TrialScheduler.CONTINUE
+    # a trial recorded at the rung before the interruption, re-run from its checkpoint, is not judged again
+    assert scheduler.on_trial_result(controller, SimpleNamespace(trial_id="b"), {"step": 20, "score": 0.0}) == \
+        TrialScheduler.CONTINUE

@@ -344,6 +344,16 @@ def interrupt_when(cmd, tmp_path, predicate, env=None, how=signal.SIGINT) -> str
     return err
 
 
+def kept_rungs(study_dir: Path) -> dict:
+    """{milestone: {trial id: score}} of ASHA's rungs as the study's saved searcher state holds them (Tune's own
+    pickle, written by this test's study)."""
+    import pickle
+    path = max(study_dir.glob("searcher-state-*.pkl"), key=lambda p: p.stat().st_mtime)  # a session's each
+    state = pickle.loads(path.read_bytes())
+    [rungs] = state["asha_rungs"]  # one bracket
+    return {milestone: recorded for milestone, recorded in rungs}
+
+
 @pytest.mark.slow
 def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
     """SIGTERM after the first trial (what `ray job stop`, `kill`, Kubernetes and SLURM send: the study stops as on
@@ -360,6 +370,9 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
     assert not [c for c in before if c.info.status == "RUNNING"]  # the interrupted trial's run is ended too
     done_before = {c.data.tags["hpsearch.trial_id"]: c for c in before if c.info.status == "FINISHED"}
     assert done_before and len(before) < 3 + 1
+    # ASHA's rungs are saved with the searcher (Tune saves no scheduler): the finished trial's score at step 100
+    rungs_before = kept_rungs(tmp_path / "runs" / "resume")
+    assert set(done_before) <= set(rungs_before[100])
 
     out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--name", "resume", "--storage-path",
                           str(tmp_path / "runs"), "--resume"], cwd=tmp_path, capture_output=True, text=True,
@@ -380,6 +393,10 @@ def test_interrupted_study_resumes_without_rerunning_or_duplicating(tmp_path):
             assert history == steps(client, old.info.run_id)
     experiment_dirs = [p for p in (tmp_path / "runs" / "resume").iterdir() if p.name.startswith("trial_")]
     assert len(experiment_dirs) == 3
+    # the resumed study's ASHA took the rungs over: the scores recorded before the interruption are in its saved
+    # rungs (a fresh ASHA's would hold only trials seen since the resume)
+    rungs_after = kept_rungs(tmp_path / "runs" / "resume")
+    assert all(rungs_after[m].items() >= rungs_before[m].items() for m in rungs_before), (rungs_before, rungs_after)
     # Tune's result files for every trial, before and after the resume; no TensorBoard files either side
     assert all((d / "progress.csv").is_file() and (d / "result.json").is_file() for d in experiment_dirs)
     assert not list((tmp_path / "runs" / "resume").rglob("events.out.tfevents*"))

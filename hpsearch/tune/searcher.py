@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from ray.tune import Stopper
+from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
@@ -63,6 +64,7 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         super().__init__(*args, **kwargs)
         self._max_steps = max_steps
         self._clock = BudgetClock(time_budget_s) if time_budget_s else None  # see TimeBudget
+        self.asha_rungs: list | None = None  # the scheduler's rungs, saved with this searcher (RungKeepingASHA)
 
     def suggest(self, trial_id: str):
         if self._clock is not None and self._clock.spent():
@@ -108,3 +110,43 @@ class BudgetAwareOptunaSearch(OptunaSearch):
         trial, step = self._ot_trials[trial_id], result.get(TRAINING_ITERATION)
         if step is not None and step not in trial.storage.get_trial(trial._trial_id).intermediate_values:
             trial.report(result[self.metric], step)
+
+
+class RungKeepingASHA(ASHAScheduler):
+    """Tune's ASHA, whose rungs (each trial's score at each milestone) survive `--resume`. Tune saves the searcher's
+    state with the experiment's but not the scheduler's (the restored tuner holds the scheduler as it was built), so
+    a resumed study's ASHA started with empty rungs: the first trial to reach a rung passed it whatever its score
+    (an empty rung has no cutoff), and later trials were compared only with those seen since the resume. The rungs
+    live in the searcher's saved state (`BudgetAwareOptunaSearch.asha_rungs`), so they are saved and restored at the
+    same moments as the trials and the searcher; a restored trial keeps its id, so its recorded scores stay its
+    own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._shared = False
+
+    @staticmethod
+    def _keeper(controller):
+        """The study's searcher, under Tune's wrappers (SearchGenerator, ConcurrencyLimiter)."""
+        alg = getattr(controller, "search_alg", None)
+        while alg is not None and not hasattr(alg, "asha_rungs"):
+            alg = getattr(alg, "searcher", None)
+        return alg
+
+    def _share_rungs(self, controller) -> None:
+        """Once, before the first trial: take the rungs a restored searcher kept (same milestones), then keep ours
+        in it (by reference: each save of the searcher writes the rungs as they are then)."""
+        if self._shared:
+            return
+        self._shared = True
+        keeper = self._keeper(controller)
+        if keeper is None:
+            return
+        for bracket, kept in zip(self._brackets, keeper.asha_rungs or []):
+            if [m for m, _ in bracket._rungs] == [m for m, _ in kept]:
+                bracket._rungs = [(m, dict(recorded)) for m, recorded in kept]
+        keeper.asha_rungs = [bracket._rungs for bracket in self._brackets]
+
+    def on_trial_add(self, tune_controller, trial) -> None:
+        self._share_rungs(tune_controller)
+        super().on_trial_add(tune_controller, trial)

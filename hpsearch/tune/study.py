@@ -281,14 +281,13 @@ def trainable(study: Study):
 def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     import ray.tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
-    from ray.tune.schedulers import ASHAScheduler
 
     from hpsearch.tune.progress import TrialEvents
-    from hpsearch.tune.searcher import TimeBudget
+    from hpsearch.tune.searcher import RungKeepingASHA, TimeBudget
 
     space = study.space
     primary = space.primary
-    scheduler = ASHAScheduler(time_attr="step", metric=primary.metric, mode=primary.mode,
+    scheduler = RungKeepingASHA(time_attr="step", metric=primary.metric, mode=primary.mode,
                               max_t=space.config.train.max_steps, grace_period=space.grace_period,
                               reduction_factor=space.budget.reduction_factor)
     searcher = make_searcher(space, study.optuna_storage, study.name)
