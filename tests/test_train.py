@@ -446,7 +446,9 @@ def test_the_op_built_under_one_path_is_not_rebuilt_under_another():
 # ---- local loop ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_local_run_resume_equals_uninterrupted(tmp_path):
-    proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    # with dropout (t5-tiny has none of its own): the resume must restore the random stream, not only the weights
+    proc = run_train("--local", *FAST, "model.dropout=0.1", f"train.output_dir={tmp_path}/full",
+                     env={"PYTHONPROFILEIMPORTTIME": "1"})
     full = final_json(proc)
     # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s)
     assert "deepspeed" in imported_modules(proc) and not imported_mlflow(proc)
@@ -465,8 +467,9 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert 0 < full["majority_score"] < 100 and 0 < full["test_majority_score"] < 100
     assert full["chance_score"] < full["majority_score"]
     # resume from the step-20 checkpoint of the same run: the second half must repeat exactly
-    resumed_proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/resumed", "--resume-from",
-                             str(tmp_path / "full" / "checkpoints" / "step_20"), env={"PYTHONPROFILEIMPORTTIME": "1"})
+    resumed_proc = run_train("--local", *FAST, "model.dropout=0.1", f"train.output_dir={tmp_path}/resumed",
+                             "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20"),
+                             env={"PYTHONPROFILEIMPORTTIME": "1"})
     resumed = final_json(resumed_proc)
     # its checkpoint check (which reads DeepSpeed's types) imports DeepSpeed first, also without MLflow
     assert not imported_mlflow(resumed_proc)
@@ -1295,20 +1298,26 @@ def test_the_embedding_table_learns_at_its_own_rate_under_every_zero_stage(tmp_p
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_zero_stage_1_and_2_resumes_exactly(tmp_path):
+def test_a_checkpoint_of_zero_stage_0_1_and_2_resumes_exactly_with_each_ranks_random_state(tmp_path):
     """ZeRO-1/2's optimizer state (fp32's and DeepSpeed's bf16 optimizer's) holds DeepSpeed's `fragment_address`,
     which the weights-only load refused: no stage-1/2 run (`offload_optimizer=true` picks stage 2) could resume,
     and a study marked such trials failed for good. Two ranks save, a fresh pair passes the resume check, loads and
-    trains on to bitwise the same weights (tests/workers/zero_resume.py)."""
+    trains on to bitwise the same weights, and each rank draws what it would have drawn
+    (tests/workers/zero_resume.py)."""
     from test_zero3 import run_workers
 
     run_workers("zero_resume.py", tmp_path, timeout=900)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert set(report) == {"stage1-fp32", "stage2-fp32", "stage1-bf16", "stage2-bf16"}
+        assert set(report) == {"stage0-fp32", "stage1-fp32", "stage2-fp32", "stage1-bf16", "stage2-bf16"}
         for case, r in report.items():
             assert r["error"] is None, (case, r["error"])
             assert r["max_diff"] == 0.0 and r["moved"] > 1e-3, (case, r)
+            # each rank resumes its own random stream (DeepSpeed keeps the client state in rank 0's file only at
+            # stages 0-2: every rank got rank 0's, the same dropout masks on every rank)
+            assert r["redrawn"] == r["drawn"], (case, rank, r)
+    drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text())["stage0-fp32"]["drawn"] for rank in (0, 1)]
+    assert drawn[0] != drawn[1]  # the ranks' streams differ
 
 def test_kept_ranks_resume_from_the_checkpoint_rank_0_finds(tmp_path):
     """tests/workers/resume_choice.py: rank 1's listing lacks the newest checkpoint (a network file system's cached

@@ -419,17 +419,38 @@ def read_report(directory: str | Path) -> dict | None:
 
 
 def rng_state() -> dict:
+    """Every rank's random state, {"ranks": [{"cpu": ..., "cuda": ...} of rank 0, of rank 1, ...]} (a collective:
+    every rank calls it). DeepSpeed writes the client state only into rank 0's file at ZeRO stages 0-2, so a state
+    of each rank's own would resume every rank with rank 0's (its dropout masks on every rank). "cuda": the rank's own
+    device, so a resume on a node with another number of visible devices still applies."""
     import torch
+    import torch.distributed as dist
 
-    state = {"cpu": torch.get_rng_state()}
+    own = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        own["cuda"] = torch.cuda.get_rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {"ranks": [own]}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, own)  # between this run's own ranks; the checkpoint keeps plain tensors
+    return {"ranks": [{k: v.cpu() for k, v in state.items()} for state in ranks]}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, rank: int) -> bool:
+    """Set this rank's random state from `rng_state()`'s (or, from a checkpoint written before it kept every
+    rank's, the one state it kept). False when the checkpoint has none for this rank (it was written by fewer ranks):
+    the rank keeps the stream it was seeded with."""
     import torch
 
+    if "ranks" in state:
+        if rank >= len(state["ranks"]):
+            return False
+        state = state["ranks"][rank]
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):  # the older form: every visible device's
+            torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+        else:
+            torch.cuda.set_rng_state(cuda)
+    return True

@@ -152,7 +152,9 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
             try:
                 sampler.load_state_dict(client["sampler"])
                 step, best = client["step"], client["best"]
-                checkpoints.set_rng_state(client["rng"])
+                if not checkpoints.set_rng_state(client["rng"], rank):
+                    print(f"[hpsearch.train] rank {rank}: checkpoint {resume_dir} was written by fewer ranks and "
+                          "keeps no random state for this one; it goes on with its own seeded stream", flush=True)
             except (KeyError, TypeError, ValueError) as e:
                 raise UserError(f"checkpoint {resume_dir} does not match this run's config (client state: "
                                 f"{type(e).__name__}: {e})") from None

@@ -28,7 +28,8 @@ from hpsearch.model import build_model  # noqa: E402
 from hpsearch.train import checkpoints, deepspeed_config, optimizer_and_schedule  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
 
-CASES = [(1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "bf16")]  # stages 0 and 3 (fp32): the runs in test_train.py
+CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "bf16")]  # stage 3 (fp32): the runs in
+# test_train.py
 
 dist.init_process_group("gloo")
 load_ops()
@@ -68,12 +69,18 @@ for stage, precision in CASES:
     first = engine(stage, precision)
     start = weights(first)
     train(first, range(2))
-    first.save_checkpoint(folder[0], tag="state", client_state={"step": 2})
+    torch.manual_seed(1000 + rank)  # each rank its own random stream, as the loop seeds them
+    first.save_checkpoint(folder[0], tag="state", client_state={"step": 2, "rng": checkpoints.rng_state()})
+    drawn = torch.rand(4).tolist()  # what each rank draws next (its dropout masks)
     train(first, range(2, 4))
     second, error = engine(stage, precision), None
     try:
         checkpoints.check_files(folder[0])
-        assert checkpoints.load(second, folder[0], "state")["step"] == 2
+        client = checkpoints.load(second, folder[0], "state")
+        assert client["step"] == 2
+        torch.manual_seed(7)  # a fresh process's stream, which the resume must replace
+        checkpoints.set_rng_state(client["rng"], rank)
+        redrawn = torch.rand(4).tolist()
     except UserError as e:
         error = str(e)
     case = f"stage{stage}-{precision}"
@@ -81,7 +88,8 @@ for stage, precision in CASES:
         train(second, range(2, 4))
         a, b = weights(first), weights(second)
         report[case] = {"error": None, "max_diff": max((a[n] - b[n]).abs().max().item() for n in a),
-                        "moved": max((a[n] - start[n]).abs().max().item() for n in a)}
+                        "moved": max((a[n] - start[n]).abs().max().item() for n in a), "drawn": drawn,
+                        "redrawn": redrawn}
     else:
         report[case] = {"error": error}
     dist.barrier()
