@@ -57,6 +57,12 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "no gpu here": ([*tune, "resources.gpus_per_worker=1"], "GPU"),
         "argparse type": ([*tune, "--num-samples", "abc"], "invalid int value: 'abc'"),
         "train argparse": (["hpsearch.train", "--bogus"], "unrecognized arguments: --bogus"),
+        # a private Ray would wait for workers this machine can never hold (Ray Train times out and retries)
+        "train too many workers": (["hpsearch.train", "train.num_workers=64", f"train.output_dir={tmp}/train-out"],
+                                   "train.num_workers: 64 workers x 0.9 CPU need 57.6 CPU but this machine has"),
+        "train no gpu here": (["hpsearch.train", "train.use_gpu=true", f"train.output_dir={tmp}/train-out"],
+                              "workers x 1 GPU need 2 GPU but this machine has 0; lower train.num_workers or "
+                              "train.gpus_per_worker; or train.use_gpu=false"),
         "corrupt study state": ([*tune, "--name", "broken", "--resume"], "hpsearch-study.json is corrupt"),
         "incomplete study state": ([*tune, "--name", "half", "--resume"], "hpsearch-study.json is incomplete"),
         "study backbone not a checkpoint": ([*tune, f"model.backbone={notckpt}"], "not-a-checkpoint"),
@@ -80,7 +86,8 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite nowhere", "storage nowhere",
          "optuna storage nowhere", "optuna storage no driver",
-         "too many workers", "no gpu here", "argparse type", "train argparse", "corrupt study state",
+         "too many workers", "no gpu here", "argparse type", "train argparse", "train too many workers",
+         "train no gpu here", "corrupt study state",
          "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",
          "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint",
          "study backbone not pretrained yet", "pretrain corpus missing", "pretrain validation file",

@@ -8,7 +8,7 @@ from hpsearch.cli import Parser, run_main
 from hpsearch.config import absolute_paths, load_config
 from hpsearch.errors import UserError
 from hpsearch.train import __doc__ as DOC
-from hpsearch.train.launch import TrainingFailed, run_with_ray
+from hpsearch.train.launch import TrainingFailed, check_fits_locally, run_with_ray
 from hpsearch.train.startup import process_start
 
 # torch, the loop and the model library are imported where they are used: the driver of a Ray run only checks the
@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
         except NonFiniteLoss as e:
             raise TrainingFailed(str(e)) from None
     else:
+        check_fits_locally(cfg)  # before Ray starts: workers this machine can never hold would be waited for
         metrics = run_with_ray(cfg, args.resume_from)
     tasks = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("task/") and k.endswith("/score")}
     keys = ("step", "loss", "score", "best_score", "best_step", "test_score", "majority_score", "chance_score",

@@ -100,6 +100,44 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
     stop_on_sigterm_as_on_ctrl_c()  # ray.init set its own (sys.exit)
 
 
+def local_resources(gpus: bool, as_ray_counts: bool = False) -> dict[str, float]:
+    """What a private local Ray offers: this machine's CPUs and, when `gpus`, its CUDA devices (counting them
+    imports torch, about 2 s here: a CPU-only run skips it, so its mistakes are said at once). `as_ray_counts`:
+    the CPUs as Ray counts them (what `ray.init` offers): a container's CPU limit, whole CPUs only (a 1.5-CPU limit
+    offers 1 where os.cpu_count() says the host's); it imports Ray."""
+    cpus = float(os.cpu_count() or 1)
+    if as_ray_counts:
+        from ray._private.utils import get_num_cpus
+        cpus = float(get_num_cpus(override_docker_cpu_warning=True))
+    if not gpus:
+        return {"CPU": cpus}
+    import torch
+    return {"CPU": cpus, "GPU": float(torch.cuda.device_count())}
+
+
+def check_fits_locally(cfg: RunConfig) -> None:
+    """A run on a private local Ray whose workers this machine can never hold would wait for them (Ray Train's
+    worker group times out and retries): one line before Ray starts. Joined to a cluster (RAY_ADDRESS), the
+    cluster decides."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    t = cfg.train
+    needs = {"CPU": t.num_workers * t.cpus_per_worker}
+    if t.use_gpu:
+        needs["GPU"] = t.num_workers * t.gpus_per_worker
+    for as_ray_counts in (False, True):
+        have = local_resources(gpus=t.use_gpu, as_ray_counts=as_ray_counts)
+        for kind, need in needs.items():
+            if need > have.get(kind, 0.0) + 1e-9:
+                per_worker, field = (t.cpus_per_worker, "cpus") if kind == "CPU" else (t.gpus_per_worker, "gpus")
+                limit = " (as Ray counts them: a container's CPU limit, whole CPUs)" if as_ray_counts else ""
+                gpu = "; or train.use_gpu=false" if kind == "GPU" else ""
+                raise UserError(f"train.num_workers: {t.num_workers} workers x {per_worker:g} {kind} need "
+                                f"{need:g} {kind} but this machine has {have.get(kind, 0.0):g}{limit}; lower "
+                                f"train.num_workers or train.{field}_per_worker{gpu} (or join a cluster that has "
+                                "them: RAY_ADDRESS)")
+
+
 def shutdown_ray() -> None:
     """`ray.shutdown()`, less the second it spends on a private Ray's autoscaler monitor. Ray stops its GCS first
     and then asks the monitor to stop (SIGTERM); the monitor's handler then tries to tell the drivers, through the

@@ -193,25 +193,11 @@ def _check_backbone(cfg) -> None:
     check_local_backbone(cfg.model.backbone)
 
 
-def local_resources(gpus: bool, as_ray_counts: bool = False) -> dict[str, float]:
-    """What a private local Ray offers: this machine's CPUs and, when `gpus`, its CUDA devices (counting them
-    imports torch, about 2 s here: a CPU-only study skips it, so its mistakes are said at once). `as_ray_counts`:
-    the CPUs as Ray counts them (what `ray.init` offers): a container's CPU limit, whole CPUs only (a 1.5-CPU limit
-    offers 1 where os.cpu_count() says the host's); it imports Ray."""
-    cpus = float(os.cpu_count() or 1)
-    if as_ray_counts:
-        from ray._private.utils import get_num_cpus
-        cpus = float(get_num_cpus(override_docker_cpu_warning=True))
-    if not gpus:
-        return {"CPU": cpus}
-    import torch
-    return {"CPU": cpus, "GPU": float(torch.cuda.device_count())}
-
-
 def _check_fits(space) -> None:
     """A trial that can never be placed on this machine (a private local Ray) would wait forever (Tune's warning
     about it is silenced): say so before Ray starts. First against os.cpu_count() (no import: the usual mistakes are
     said at once), then against the CPUs Ray will offer (a container's limit)."""
+    from hpsearch.train.launch import local_resources
     from hpsearch.tune.cluster import trial_resources
 
     t, needs = space.config.train, trial_resources(space)
