@@ -334,11 +334,16 @@ DRIVER_CHECKS = """
 import sys
 import hpsearch.train.__main__ as cli
 
+real_fits = cli.check_fits_locally
+
+def fits(cfg):  # the last check, which counts the CPUs as Ray does: with Ray's own utilities, which Ray's start
+    print(sorted(m for m in ("torch", "transformers", "deepspeed", "ray") if m in sys.modules))  # imports next
+    real_fits(cfg)
+
 def stop(cfg, resume_from):
-    print(sorted(m for m in ("torch", "transformers", "deepspeed", "ray") if m in sys.modules))
     raise SystemExit(0)
 
-cli.run_with_ray = stop
+cli.check_fits_locally, cli.run_with_ray = fits, stop
 cli.main(sys.argv[1:])
 """
 
@@ -447,7 +452,8 @@ def test_the_op_built_under_one_path_is_not_rebuilt_under_another():
 @pytest.mark.slow
 def test_local_run_resume_equals_uninterrupted(tmp_path):
     # with dropout (t5-tiny has none of its own): the resume must restore the random stream, not only the weights
-    proc = run_train("--local", *FAST, "model.dropout=0.1", f"train.output_dir={tmp_path}/full",
+    FAST = [*globals()["FAST"], "model.dropout=0.1"]
+    proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/full",
                      env={"PYTHONPROFILEIMPORTTIME": "1"})
     full = final_json(proc)
     # the training process imports DeepSpeed without MLflow (DeepSpeed's autotuner imports it if it can: 1.1 s)
@@ -467,7 +473,7 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert 0 < full["majority_score"] < 100 and 0 < full["test_majority_score"] < 100
     assert full["chance_score"] < full["majority_score"]
     # resume from the step-20 checkpoint of the same run: the second half must repeat exactly
-    resumed_proc = run_train("--local", *FAST, "model.dropout=0.1", f"train.output_dir={tmp_path}/resumed",
+    resumed_proc = run_train("--local", *FAST, f"train.output_dir={tmp_path}/resumed",
                              "--resume-from", str(tmp_path / "full" / "checkpoints" / "step_20"),
                              env={"PYTHONPROFILEIMPORTTIME": "1"})
     resumed = final_json(resumed_proc)
@@ -512,6 +518,19 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     assert longer.returncode == 2 and longer.stderr.count("\n") == 1, longer.stderr[-2000:]
     assert "holds the run's result, not its training state" in longer.stderr
     assert not (tmp_path / "longer").exists()
+    # a resume continues the checkpoint's run as it was: another learning rate (the optimizer's and schedule's state
+    # come from the checkpoint, so it was silently ignored) or data order is refused before anything starts, and so
+    # is a max_steps below the checkpoint's step (it was reported as the finished run's result)
+    step_20 = str(tmp_path / "full" / "checkpoints" / "step_20")
+    for change, said in ((["train.lr=1e-2"], "was trained with train.lr=0.003 (this run: 0.01); a resume continues"),
+                         (["data.seed=5", "model.dropout=0.2"], "was trained with data.seed=0 (this run: 5), "
+                                                                 "model.dropout=0.1 (this run: 0.2); a resume"),
+                         (["train.max_steps=10", "train.eval_every=10"], "is at step 20, past train.max_steps=10")):
+        refused = run_train("--local", *FAST, *change, f"train.output_dir={tmp_path}/changed", "--resume-from",
+                            step_20, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
+        assert said in refused.stderr, refused.stderr
+        assert not (tmp_path / "changed").exists()
     # the exported model reloads with build_model and is a full model
     from hpsearch.model import build_model
     model = build_model(str(tmp_path / "full" / "model"))

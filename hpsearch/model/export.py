@@ -116,24 +116,29 @@ def load_export(directory, build):
     model.cfg.backbone = meta["model"]["backbone"]
     missing, unexpected = model.load_state_dict(load_weights(directory / "model.safetensors"), strict=False)
     if missing or unexpected:
-        older = older_layout(unexpected)
+        older = older_layout(unexpected, missing)
         raise ConfigError(f"{directory}: export does not match the model (missing {missing[:3]}, unexpected "
                           f"{unexpected[:3]})" + (f"; {older}" if older else ""))
     return model
 
 
-# parameter names only the layouts before 2026-11-27 had (3db69a4 and earlier)
+# parameter names only the layouts before 2026-11-27 had (3db69a4 and earlier), and the names today's model has
+# instead: an older layout is blamed only when the weights have the old names and the model misses the new ones (a
+# HyperPrompt with unequal lengths per side still has global_prompts.encoder.*: a placement or method mismatch)
 OLDER_LAYOUTS = {
-    "prefix_mlp.": "prefix tuning and MAM then had one prefix MLP, for the self-attentions only",
-    "global_prompts.decoder.": "HyperPrompt then kept a prompt set per side also when both sides had one length",
-    "global_prompts.encoder.": "HyperPrompt then kept a prompt set per side also when both sides had one length",
+    "prefix_mlp.": (("prefix_mlps.",), "prefix tuning and MAM then had one prefix MLP, for the self-attentions only"),
+    "global_prompts.decoder.": (("global_prompts.shared.",),
+                                "HyperPrompt then kept a prompt set per side also when both sides had one length"),
+    "global_prompts.encoder.": (("global_prompts.shared.",),
+                                "HyperPrompt then kept a prompt set per side also when both sides had one length"),
 }
 
 
-def older_layout(names) -> str | None:
-    """Why names an older hpsearch wrote no longer fit (None: not a known older layout)."""
-    for prefix, why in OLDER_LAYOUTS.items():
-        if any(str(n).startswith(prefix) for n in names):
+def older_layout(unexpected, missing) -> str | None:
+    """Why weights an older hpsearch wrote no longer fit (None: not a known older layout): names the weights have
+    that the model does not (`unexpected`) and names the model has that the weights do not (`missing`)."""
+    for prefix, (new, why) in OLDER_LAYOUTS.items():
+        if any(str(n).startswith(prefix) for n in unexpected) and any(str(n).startswith(new) for n in missing):
             return (f"it was written by hpsearch before 2026-11-27 ({why}): train it again, or load it with that "
                     "version (git checkout 3db69a4)")
     return None

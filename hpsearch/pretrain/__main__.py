@@ -34,7 +34,9 @@ def main(argv: list[str]) -> int:
     if corpus.path:
         corpus.path = str(Path(corpus.path).expanduser().resolve())
     options = {"corpus": dataclasses.asdict(corpus)}
-    _check(cfg, corpus, args.resume_from)  # every mistake before Ray starts or MLflow gets a run
+    if args.local:  # one rank: what the run is (a resume is checked against it)
+        cfg.train.num_workers = 1
+    _check(cfg, corpus, args.resume_from, args.local)  # every mistake before Ray starts or MLflow gets a run
 
     from hpsearch.tracking import SingleRun, resolve_tracking_uri, ui_command
     uri = resolve_tracking_uri(args.tracking_uri)
@@ -62,7 +64,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _check(cfg, corpus, resume_from) -> None:
+def _check(cfg, corpus, resume_from, local: bool) -> None:
     """Config and corpus mistakes as one line: the corpus is read, tokenized (warming the tokenizer cache the
     workers then read) and cut into pieces here."""
     from hpsearch.model import check_local_backbone
@@ -81,7 +83,11 @@ def _check(cfg, corpus, resume_from) -> None:
     chunks = Chunks(texts, tokenizer, corpus.max_length - 1, corpus.heldout_chunks)
     if resume_from:
         from hpsearch.train import checkpoints
-        checkpoints.check_resume_dir(resume_from, cfg.train.max_steps)
+        checkpoints.check_resume_dir(resume_from, cfg.to_dict())
+    from hpsearch.train.launch import check_fits_locally, check_output_dir
+    check_output_dir(cfg)
+    if not local:  # workers this machine can never hold would be waited for
+        check_fits_locally(cfg)
     per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.num_workers
     _say(f"corpus: {len(texts)} texts, {chunks.tokens} tokens, {len(chunks.train)} pieces of "
          f"{corpus.max_length - 1} tokens to train on, {len(chunks.heldout)} held out; {cfg.train.max_steps} steps "
@@ -96,7 +102,6 @@ def _train(cfg, options, args, run) -> dict:
 
     if not args.local:
         return run_with_ray(cfg, args.resume_from, objective=OBJECTIVE, options=options, callbacks=[run.callback()])
-    cfg.train.num_workers = 1
     session = LocalSession(cfg, args.resume_from)
     try:
         metrics = train_loop({"run": cfg.to_dict(), "objective": OBJECTIVE, "options": options}, session)

@@ -8,7 +8,7 @@ from hpsearch.cli import Parser, run_main
 from hpsearch.config import absolute_paths, load_config
 from hpsearch.errors import UserError
 from hpsearch.train import __doc__ as DOC
-from hpsearch.train.launch import TrainingFailed, check_fits_locally, run_with_ray
+from hpsearch.train.launch import TrainingFailed, check_fits_locally, check_output_dir, run_with_ray
 from hpsearch.train.startup import process_start
 
 # torch, the loop and the model library are imported where they are used: the driver of a Ray run only checks the
@@ -29,18 +29,21 @@ def main(argv: list[str]) -> int:
         raise UserError(f"data.tasks: no task has training rows in {cfg.data.source}")
     from hpsearch.model import check_local_backbone
     check_local_backbone(cfg.model.backbone)
+    one_rank = args.local and cfg.train.num_workers != 1
+    if one_rank:  # what the run is (a resume is checked against it); said once the checks passed
+        cfg.train.num_workers = 1
     if args.resume_from:
         from hpsearch.train import checkpoints
-        checkpoints.check_resume_dir(args.resume_from, cfg.train.max_steps)  # before anything starts, unpickling none
+        checkpoints.check_resume_dir(args.resume_from, cfg.to_dict())  # before anything starts, unpickling none
+    check_output_dir(cfg)
+    if one_rank:
+        print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)
     if args.local:
         import torch
         if cfg.train.use_gpu and not torch.cuda.is_available():
             raise UserError("train.use_gpu=true but this machine has no CUDA device; use train.use_gpu=false")
         from hpsearch.train.loop import NonFiniteLoss, train_loop
         from hpsearch.train.sessions import LocalSession
-        if cfg.train.num_workers != 1:
-            print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)
-            cfg.train.num_workers = 1
         try:
             metrics = train_loop({"run": cfg.to_dict(), "startup": {"process": process_start()}},
                                  LocalSession(cfg, args.resume_from))

@@ -82,7 +82,8 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
             raise
         from hpsearch.model.export import older_layout
         detail = str(e).splitlines()[0][:200] if str(e) else ""
-        older = older_layout(re.findall(r'"([\w.]+)"', str(e)))  # the state dict's unexpected keys, quoted
+        missing, unexpected = state_dict_mismatch(str(e))
+        older = older_layout(unexpected, missing)
         raise UserError(f"checkpoint {directory} does not match this run's config ({type(e).__name__}: "
                         f"{detail})" + (f"; {older}" if older else "")) from None
     if path is None:
@@ -90,11 +91,53 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
     return client
 
 
-def check_resume_dir(directory: str | Path, max_steps: int | None = None) -> None:
+# what a resume must keep as the checkpoint's run had it: the model, the data and the optimisation (the step count,
+# evaluation, logging, resources and paths may change). The optimizer's and schedule's state come from the checkpoint
+# (a new train.lr was silently ignored), and the sampler's and the ranks' random states assume the same data and ranks.
+RESUME_KEEPS = ("model.", "data.tasks", "data.seed", "data.data_seed", "data.temperature", "data.batching",
+                "data.task_prefix", "data.max_source_length", "data.max_target_length", "data.synthetic_train_rows",
+                "data.synthetic_small_train_rows", "data.synthetic_eval_rows", "data.max_train_rows",
+                "data.vocab_size", "train.num_workers", "train.micro_batch_size", "train.grad_accum",
+                "train.optimizer", "train.lr", "train.embedding_lr_scale", "train.warmup_steps",
+                "train.weight_decay", "train.grad_clip", "train.seed")
+RESUME_MAY_CHANGE = ("model.backbone",)  # a path that may differ between machines (a mismatch fails the load)
+CONFIG = "config.json"
+
+
+def write_config(directory: str | Path, run: dict) -> None:
+    """The run config (`RunConfig.to_dict()`) a checkpoint was written by: a resume is checked against it."""
+    (Path(directory) / CONFIG).write_text(json.dumps(run) + "\n")
+
+
+def resume_differences(directory: str | Path, run: dict) -> list[str]:
+    """The fields (`RESUME_KEEPS`) in which the run config `run` differs from the one that wrote the checkpoint,
+    as "field=saved (this run: value)"; none for a checkpoint written before checkpoints kept their config."""
+    try:
+        saved = json.loads((Path(directory) / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    flat = lambda config: {f"{s}.{k}": v for s, values in config.items() if isinstance(values, dict)
+                           for k, v in values.items()}
+    old, new = flat(saved), flat(run)
+    return [f"{k}={old[k]!r} (this run: {new.get(k)!r})" for k in sorted(old)
+            if k.startswith(RESUME_KEEPS) and k not in RESUME_MAY_CHANGE and k in new and old[k] != new[k]]
+
+
+def state_dict_mismatch(text: str) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) parameter names of torch's `load_state_dict` error text ('Missing key(s) in
+    state_dict: "a", "b". Unexpected key(s) in state_dict: "c".')."""
+    missing = re.findall(r'"([\w.]+)"', text.partition("Missing key(s)")[2].partition("Unexpected key(s)")[0])
+    return missing, re.findall(r'"([\w.]+)"', text.partition("Unexpected key(s)")[2])
+
+
+def check_resume_dir(directory: str | Path, run: dict | None = None) -> None:
     """`--resume-from`: a checkpoint folder whose files are safe to load, or a one-line UserError, before anything
     starts (nothing is unpickled). A checkpoint holds state/ (the training state), or is a finished run's last one,
-    which holds its result only (`is_result_only`): that one can be reported again, not trained on past its step."""
+    which holds its result only (`is_result_only`): that one can be reported again, not trained on past its step.
+    `run`: this run's config (`RunConfig.to_dict()`): its max_steps must not be below the checkpoint's step, and
+    the fields a resume keeps (`RESUME_KEEPS`) must be the checkpoint's."""
     report = read_report(directory) if Path(directory).is_dir() else None
+    max_steps = run["train"]["max_steps"] if run else None
     if is_result_only(directory, report):
         if max_steps is not None and report["step"] < max_steps:
             raise UserError(f"--resume-from: {directory} is the last checkpoint of a finished run (step "
@@ -104,7 +147,23 @@ def check_resume_dir(directory: str | Path, max_steps: int | None = None) -> Non
     if not (Path(directory) / "state").is_dir():
         raise UserError(f"--resume-from: {directory} is not a checkpoint (expected a directory holding "
                         "state/, e.g. <train.output_dir>/checkpoints/step_N)")
+    past_end(directory, report, max_steps)
+    differ = resume_differences(directory, run) if run else []
+    if differ:
+        raise UserError(f"--resume-from: {directory} was trained with {', '.join(differ[:3])}"
+                        f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}; a resume continues that run "
+                        "as it was (its optimizer, schedule, data order and random streams): set these as it had "
+                        "them, or start a new run without --resume-from")
     check_files(directory)
+
+
+def past_end(directory: str | Path, report: dict | None, max_steps: int | None) -> None:
+    """A checkpoint with training state at a step beyond train.max_steps: one line (a resume there used to report
+    its intermediate evaluation as the finished run's result, with no test score and no export)."""
+    if max_steps is not None and report and isinstance(report.get("step"), int) and report["step"] > max_steps:
+        raise UserError(f"--resume-from: {directory} is at step {report['step']}, past train.max_steps={max_steps}; "
+                        f"set train.max_steps to at least {report['step']} (the run's own: resume to train on), or "
+                        "resume from an earlier checkpoint")
 
 
 def is_result_only(directory: str | Path, report: dict | None) -> bool:

@@ -115,6 +115,25 @@ def local_resources(gpus: bool, as_ray_counts: bool = False) -> dict[str, float]
     return {"CPU": cpus, "GPU": float(torch.cuda.device_count())}
 
 
+def check_output_dir(cfg: RunConfig) -> None:
+    """train.output_dir can be made and written (its nearest existing folder is writable), or one line, before
+    anything starts (else the run failed in the loop, after Ray and DeepSpeed had started). Nothing is created."""
+    import tempfile
+
+    path = Path(cfg.train.output_dir).expanduser().absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    why = "is not a folder" if existing is not None and not existing.is_dir() else None
+    if why is None:
+        try:  # a probe file, gone at once (permissions alone miss read-only mounts, /proc, and say yes to root)
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError:
+            why = "cannot be written"
+    if why:
+        raise UserError(f"train.output_dir: {cfg.train.output_dir}: {existing} {why}; expected a folder this user "
+                        "can create or write")
+
+
 def check_fits_locally(cfg: RunConfig) -> None:
     """A run on a private local Ray whose workers this machine can never hold would wait for them (Ray Train's
     worker group times out and retries): one line before Ray starts. Joined to a cluster (RAY_ADDRESS), the

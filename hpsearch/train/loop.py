@@ -141,13 +141,14 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
     if resume_dir:
         try:  # a downloaded copy goes however this ends: ASHA stops trials inside a report (Tune's SystemExit)
             done = checkpoints.read_report(resume_dir)
-            if done is not None and done.get("step", 0) >= cfg.train.max_steps:  # the run is over: here is its result
+            if checkpoints.is_result_only(resume_dir, done) and done["step"] >= cfg.train.max_steps:  # the run is over
                 _rank0_print(rank, f"resumed from {resume_dir} at its last step {done['step']}: reporting its result")
                 session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
                 return done
             if checkpoints.is_result_only(resume_dir, done):
                 raise UserError(f"checkpoint {resume_dir} is a finished run's last one (step {done['step']}, its "
                                 f"result only): it cannot train on to train.max_steps={cfg.train.max_steps}")
+            checkpoints.past_end(resume_dir, done, cfg.train.max_steps)
             client = checkpoints.load(engine, resume_dir, tag="state")
             try:
                 sampler.load_state_dict(client["sampler"])
@@ -244,6 +245,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                             f.write(json.dumps(final) + "\n")
                         checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
                         checkpoints.write_best(Path(ckpt), best)
+                        checkpoints.write_config(Path(ckpt), loop_config["run"])  # what a resume is checked against
                         if final.get("final") and loop_config.get("export_to"):  # a study in a bucket: exports go there
                             checkpoints.upload_exports(out_dir, *loop_config["export_to"])
                     session.report(final, ckpt)
