@@ -8,6 +8,7 @@ one-line `ConfigError` naming the file and line or the override, the field, and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -101,10 +102,15 @@ class TrainConfig:
         if not 0 < self.embedding_lr_scale <= 1000:
             raise ConfigError(f"train.embedding_lr_scale: {self.embedding_lr_scale!r} is out of range; "
                               "expected 0 < scale <= 1000")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("train.warmup_steps, weight_decay, grad_clip: expected values >= 0")
-        if self.cpus_per_worker <= 0:
-            raise ConfigError(f"train.cpus_per_worker: {self.cpus_per_worker!r}; expected > 0 (Ray refuses 0)")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):  # `not >=`: nan and inf are no values here
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ConfigError(f"train.{name}: {value!r} is out of range; expected a finite number >= 0")
+        if not 0 < self.cpus_per_worker < math.inf:
+            raise ConfigError(f"train.cpus_per_worker: {self.cpus_per_worker!r}; expected a finite number > 0 (Ray "
+                              "refuses 0)")
+        if not 0 <= self.gpus_per_worker < math.inf:  # 0: CPU workers (the GPU check is the study's)
+            raise ConfigError(f"train.gpus_per_worker: {self.gpus_per_worker!r}; expected a finite number >= 0")
         if not self.output_dir:
             raise ConfigError("train.output_dir: empty; expected a directory path")
 

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
                         "data.source resolves data.tasks)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. model.variant=sep")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.num_tasks is not None:
         num_tasks = args.num_tasks

@@ -55,6 +55,12 @@ def resolve_tracking_uri(uri: str) -> str:
         path = uri.removeprefix("sqlite:///")
         if not path.startswith("/"):  # sqlite:///relative.db; sqlite:////absolute.db
             path = str(Path(path).resolve())
+        if Path(path).is_dir() or not Path(path).name:
+            raise ConfigError(f"--tracking-uri {uri}: {path} is a folder; expected the path of a database file, "
+                              "e.g. sqlite:///mlflow.db")
+        if Path(path).is_file() and Path(path).stat().st_size and not _is_sqlite(Path(path)):
+            raise ConfigError(f"--tracking-uri {uri}: {path} is not an SQLite database; expected a new file or "
+                              "an MLflow store")
         folder = Path(path).parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -70,6 +76,11 @@ def resolve_tracking_uri(uri: str) -> str:
         return uri
     raise ConfigError(f"--tracking-uri: {uri!r}; expected sqlite:///path/to/mlflow.db or http(s)://host:port "
                       "(MLflow's file store is not supported)")
+
+
+def _is_sqlite(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(16) == b"SQLite format 3\x00"
 
 
 def check_experiment_active(uri: str, study: str) -> None:
@@ -88,6 +99,7 @@ def check_experiment_active(uri: str, study: str) -> None:
 
 def check_server(uri: str, timeout: float = 5.0) -> None:
     """One request to the MLflow server's health endpoint; no answer is a one-line ConfigError (no retries)."""
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -102,6 +114,8 @@ def check_server(uri: str, timeout: float = 5.0) -> None:
         reason = getattr(e, "reason", e)
         raise ConfigError(f"--tracking-uri {uri}: no MLflow server answers ({reason}); start one (mlflow server "
                           "--host 127.0.0.1 --port PORT) or use sqlite:///path/mlflow.db") from None
+    except (ValueError, http.client.InvalidURL) as e:  # a port that is no number, urllib's "Invalid IPv6 URL"
+        raise ConfigError(f"--tracking-uri {uri}: not a valid URL ({e}); expected http(s)://host:port") from None
 
 
 def open_store(uri: str) -> None:

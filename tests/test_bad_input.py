@@ -47,6 +47,13 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                          "http://127.0.0.1:9/"], "no MLflow server answers"),
         "sqlite nowhere": (["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri",
                             "sqlite:////proc/x/mlflow.db"], "cannot create /proc/x"),
+        "sqlite folder": (["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri", f"sqlite:///{tmp}"],
+                          "is a folder; expected the path of a database file"),
+        "sqlite not a database": (["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri",
+                                   f"sqlite:///{write(tmp / 'notes.db', 'hello')}"], "notes.db is not an SQLite "
+                                                                                      "database"),
+        "server url no port": (["hpsearch.compare", "--storage-path", str(tmp / "runs"), "--tracking-uri",
+                                "http://127.0.0.1:abc"], "--tracking-uri http://127.0.0.1:abc: not a valid URL"),
         "storage nowhere": (["hpsearch.tune", "--storage-path", "/proc/x/runs", "--tracking-uri",
                              f"sqlite:///{tmp}/mlflow.db"], "--storage-path /proc/x/runs: cannot create it"),
         "optuna storage nowhere": ([*tune, "--optuna-storage", "sqlite:////proc/x/optuna.db"],
@@ -57,6 +64,11 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "no gpu here": ([*tune, "resources.gpus_per_worker=1"], "GPU"),
         "argparse type": ([*tune, "--num-samples", "abc"], "invalid int value: 'abc'"),
         "train argparse": (["hpsearch.train", "--bogus"], "unrecognized arguments: --bogus"),
+        "data argparse": (["hpsearch.data", "--bogus"], "python -m hpsearch.data: unrecognized arguments: --bogus"),
+        "train output nowhere": (["hpsearch.train", "--local", "train.output_dir=/proc/x/y"],
+                                 "train.output_dir: /proc/x/y: /proc cannot be written; expected a folder"),
+        "pretrain too many workers": ([*pretrain, "train.num_workers=64"], "train.num_workers: 64 workers x 2 CPU"),
+        "pretrain output nowhere": ([*pretrain[:-1], "train.output_dir=/proc/x/y"], "/proc cannot be written"),
         # a private Ray would wait for workers this machine can never hold (Ray Train times out and retries)
         "train too many workers": (["hpsearch.train", "train.num_workers=64", f"train.output_dir={tmp}/train-out"],
                                    "train.num_workers: 64 workers x 0.9 CPU need 57.6 CPU but this machine has"),
@@ -84,10 +96,12 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
-NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite nowhere", "storage nowhere",
+NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite nowhere", "sqlite folder",
+         "sqlite not a database", "server url no port", "storage nowhere",
          "optuna storage nowhere", "optuna storage no driver",
-         "too many workers", "no gpu here", "argparse type", "train argparse", "train too many workers",
-         "train no gpu here", "corrupt study state",
+         "too many workers", "no gpu here", "argparse type", "train argparse", "data argparse",
+         "train too many workers", "train no gpu here", "train output nowhere", "pretrain too many workers",
+         "pretrain output nowhere", "corrupt study state",
          "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",
          "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint",
          "study backbone not pretrained yet", "pretrain corpus missing", "pretrain validation file",

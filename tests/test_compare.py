@@ -376,10 +376,16 @@ def compare_cmd(tmp_path, *args):
     ("seeds 0 in the spec", "seeds: 0; expected an integer from 1 to 1000"),
     ("--seeds 0", "--seeds: 0; expected an integer from 1 to 1000"),
     ("no such study", "--from-study nope: no study 'nope' in"),
+    ("deleted experiment", "MLflow experiment hpsearch/gone is deleted in sqlite:///"),
 ])
 def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, message):
     text, args = TINY, []
-    if case == "unknown method":
+    if case == "deleted experiment":  # in the MLflow UI's trash: it would take no runs (MLflow's error after Ray)
+        from mlflow import MlflowClient
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        client.delete_experiment(client.create_experiment("hpsearch/gone"))
+        args = ["--name", "gone"]
+    elif case == "unknown method":
         text = TINY.replace("{method: hyperprompt,", "{method: hyperprompt_v2,")
     elif case == "seeds 0 in the spec":
         text = TINY.replace("seeds: 2", "seeds: 0")
@@ -394,7 +400,8 @@ def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, me
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "ray" not in out.stdout.lower()
-    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()  # nothing started
+    assert (case == "deleted experiment") == (tmp_path / "mlflow.db").exists()  # nothing started
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------

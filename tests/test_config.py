@@ -31,6 +31,11 @@ def test_yaml_and_overrides_fill_typed_fields(tmp_path):
     ("train:\n  max_steps: many\n", [], r"run.yaml:2: train.max_steps: 'many' is not an integer"),
     ("", ["model.variant=middle"], r"model.variant: 'middle' is not one of share, sep, global"),
     ("", ["train.lr=2"], r"train.lr: 2.0 is out of range"),
+    # nan passed every `< 0` check and failed once Ray had started (a CPU count that is no number)
+    ("", ["train.cpus_per_worker=nan"], r"train.cpus_per_worker: nan; expected a finite number > 0"),
+    ("", ["train.gpus_per_worker=-1"], r"train.gpus_per_worker: -1.0; expected a finite number >= 0"),
+    ("", ["train.weight_decay=inf"], r"train.weight_decay: inf is out of range; expected a finite number >= 0"),
+    ("", ["train.grad_clip=nan"], r"train.grad_clip: nan is out of range; expected a finite number >= 0"),
     ("", ["train.embedding_lr_scale=0"], r"train.embedding_lr_scale: 0.0 is out of range; expected 0 < scale"),
     ("", ["train.optimizer=sgd"], r"train.optimizer: 'sgd' is not one of adamw, adafactor"),
     ("", ["train.host_allocator=jemalloc"], r"train.host_allocator: 'jemalloc' is not one of auto, reuse, system"),

@@ -935,3 +935,26 @@ def test_ashas_rungs_are_restored_with_the_searcher_on_resume(tmp_path):
     # a trial recorded at the rung before the interruption, re-run from its checkpoint, is not judged again
     assert scheduler.on_trial_result(controller, SimpleNamespace(trial_id="b"), {"step": 20, "score": 0.0}) == \
         TrialScheduler.CONTINUE
+
+
+def test_overrides_may_come_before_and_after_the_options():
+    """`python -m hpsearch.tune model.variant=share --num-samples 1 train.lr=2e-3` (and the comparison's): every
+    override is kept, as `hpsearch.train` takes them; argparse refused the ones after an option."""
+    from hpsearch.compare.cli import parse_args as compare_args
+    from hpsearch.tune.cli import parse_args
+
+    args = parse_args(["model.variant=share", "--num-samples", "1", "train.lr=2e-3", "--name", "x", "sampler.seed=3"])
+    assert args.overrides == ["model.variant=share", "train.lr=2e-3", "sampler.seed=3"] and args.num_samples == 1
+    args = compare_args(["seeds=2", "--name", "x", "budget.max_steps=20"])
+    assert args.overrides == ["seeds=2", "budget.max_steps=20"] and args.name == "x"
+
+
+def test_a_bound_written_1e_4_is_a_number():
+    """PyYAML reads `1e-4` (no dot) as a string; the run config's fields take it as a number, and so do a searched
+    field's bounds (it was 'expected a number')."""
+    text = BASE.replace("low: 1.0e-4, high: 1.0e-2", "low: 1e-4, high: 1e-2")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        space = load_space(write(Path(d), text))
+    assert (space.param("train.lr").low, space.param("train.lr").high) == (1e-4, 1e-2)
+

@@ -37,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "MLflow experiment")
     p.add_argument("overrides", nargs="*", help="key=value: model.*/data.*/train.*, methods.<label>.<field>, "
                    "budget.*/resources.*/stats.*/probe.*, seeds")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before or after the options
 
 
 def prepare(args: argparse.Namespace):
@@ -46,7 +46,7 @@ def prepare(args: argparse.Namespace):
     from hpsearch.compare.fromstudy import apply_best
     from hpsearch.compare.spec import MAX_SEEDS, load_spec
     from hpsearch.config import absolute_paths
-    from hpsearch.tracking import DEFAULT_TRACKING_URI, resolve_tracking_uri
+    from hpsearch.tracking import DEFAULT_TRACKING_URI, check_experiment_active, resolve_tracking_uri
     from hpsearch.tune.cli import (
         _check_backbone,
         _check_fits,
@@ -76,6 +76,7 @@ def prepare(args: argparse.Namespace):
         _check_backbone(entry.config)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(spec)
+    check_experiment_active(uri, name)  # deleted in the MLflow UI: it would take no runs
     # the checks above need no torch; building each configuration on the meta device (which also checks that it
     # builds) imports torch and the model library (~5 s); then the storage folder is made (the last check)
     sizes = {entry.label: backbone_size(entry.config, tasks) for entry in spec.entries()}

@@ -5,22 +5,21 @@ source/target. `--json` prints {"tasks": {TASK: {"splits": {...}, "protocol": ..
 """
 from __future__ import annotations
 
-import argparse
 import json
 
-from hpsearch.cli import run_main
+from hpsearch.cli import Parser, run_main
 from hpsearch.data.suite import Suite, load_suite
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpsearch.data", description=(
+    parser = Parser(prog="python -m hpsearch.data", description=(
         "Describe a suite: per task and split the row count after the split protocol, the protocol used and "
         "one example's source/target."))
     parser.add_argument("--config", help="run config YAML (sections model, data, train; data is used)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides, e.g. data.source=hub, data.source=PATH, data.tasks=rte,cb")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     from hpsearch.config import load_config  # the run config shared by all commands (imports the model code)
 
     suite = load_suite(load_config(args.config, args.overrides).data)

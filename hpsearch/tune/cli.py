@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "SECONDS (default 10)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted study of this name")
     p.add_argument("overrides", nargs="*", help="key=value: model.*/data.*/train.* or budget.*/resources.*/sampler.*")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides before or after the options
 
 
 def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
@@ -112,10 +112,10 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     absolute_paths(space.config)
     _check_data(space.config)
     _check_backbone(space.config)
-    storage.check_writable()
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         _check_fits(space)
     check_experiment_active(state["tracking_uri"], name)
+    storage.check_writable()  # after the checks that write nothing: it creates the storage's folder
     if state.get("optuna_storage"):  # creates the database (its tables) when it is new
         optuna_store.open_storage(state["optuna_storage"])
     if not args.resume and not storage.remote:  # last: the name is this study's from now on (see _claim)

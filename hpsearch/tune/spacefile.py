@@ -211,6 +211,14 @@ def _check_shape(p: Param, at_key) -> None:
         if not all(c is None or isinstance(c, (bool, int, float, str)) for c in p.choices):
             raise ConfigError(f"{where('choices')}: {p.choices!r}; expected plain values (numbers, strings, booleans)")
         return
+    for key in ("low", "high", "step"):
+        value = getattr(p, key)
+        if isinstance(value, str):  # YAML 1.1 (PyYAML) reads 1e-4 as a string (a float needs a dot: 1.0e-4), as
+            try:                    # the run config's fields take it
+                value = float(value)
+            except ValueError:
+                continue
+            setattr(p, key, int(value) if p.type == "int" and value == int(value) else value)
     for key in ("low", "high"):
         value = getattr(p, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
