@@ -950,3 +950,90 @@ def test_prompt_tuning_labels_init_through_the_generic_hook():
     assert torch.equal(vocab.prompts.weight.detach(), before)
     mtl = build_model(tiny_config(), "mtl", ["a", "b"])
     mtl.init_task_params([[[5]], [[9]]])  # a no-op for methods without such an init
+
+
+def test_an_older_layout_is_blamed_only_when_the_model_lacks_todays_names():
+    """A resume's or an export's mismatch names the version that wrote the weights only when they have the old
+    names and the model misses today's instead: a HyperPrompt with unequal prompt lengths per side still keeps
+    `global_prompts.encoder.*`, so its weights loaded into another placement or method are a config mismatch.
+    The names come from torch's own load_state_dict error, as a checkpoint's load reports it."""
+    from hpsearch.model.export import older_layout
+    from hpsearch.train.checkpoints import state_dict_mismatch
+
+    def mismatch(source, target):
+        with pytest.raises(RuntimeError) as e:
+            target.load_state_dict(source.state_dict())
+        return state_dict_mismatch(str(e.value))
+
+    unequal = make("hyperprompt-global")  # lengths 3 and 2: a prompt set per side
+    assert any(k.startswith("global_prompts.encoder.") for k in unequal.state_dict())
+    equal = make("hyperprompt-global", prompt_length_decoder=3)  # one shared set
+    assert any(k.startswith("global_prompts.shared.") for k in equal.state_dict())
+    missing, unexpected = mismatch(unequal, equal)
+    assert any(k.startswith("global_prompts.shared.") for k in missing)
+    assert any(k.startswith("global_prompts.encoder.") for k in unexpected)
+    assert "written by hpsearch before 2026-11-27 (HyperPrompt then kept a prompt set" in older_layout(unexpected,
+                                                                                                       missing)
+    for other in (make("hyperprompt-global", placement="decoder"), make("lora"), make("mtl")):
+        missing, unexpected = mismatch(unequal, other)
+        assert unexpected and older_layout(unexpected, missing) is None
+
+
+# ---- gaps a mutation run found (each test fails with its mutant) -----------------------------------------------
+@pytest.mark.parametrize("name", ["hyperprompt-share", "hyperprompt-sep", "hyperprompt-global"])
+def test_hyperprompts_cross_attention_is_stock(name, batch):
+    """methods.md: HyperPrompt prompts the self-attentions only. Each decoder layer's cross-attention equals one
+    written by hand from its q, k, v, o, the encoder's output and its padding mask: no prompt columns, no position
+    bias (decoder prompts fed to cross-attention too changed the logits, and cached == uncached still held)."""
+    model = perturb(make(name))
+    seen = {}
+    hooks = [capture(block.layer[1], seen, i) for i, block in enumerate(model.t5.decoder.block)]
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    enc = out.encoder_last_hidden_state
+    for i, block in enumerate(model.t5.decoder.block):
+        h, got = seen[i]
+        layer = block.layer[1]
+        attn = layer.EncDecAttention
+        b, n, _ = h.shape
+        heads, dkv = attn.n_heads, attn.key_value_proj_dim
+        split = lambda x, b=b, heads=heads, dkv=dkv: x.view(b, x.shape[1], heads, dkv).transpose(1, 2)
+        with torch.no_grad():
+            q, k, v = split(layer.layer_norm(h) @ attn.q.weight.T), split(enc @ attn.k.weight.T), \
+                split(enc @ attn.v.weight.T)
+            mask = torch.where(batch["attention_mask"][:, None, None, :].bool(), 0.0, torch.finfo(h.dtype).min)
+            o = (torch.softmax(q @ k.transpose(-1, -2) + mask, -1) @ v).transpose(1, 2).reshape(b, n, heads * dkv)
+            want = h + o @ attn.o.weight.T
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_new_adapters_and_lora_start_as_their_papers_do():
+    """Unperturbed: LoRA's B and MAM's up-projection and biases are zero (a new module adds nothing) while LoRA's A
+    and MAM's down-projection are Kaiming-uniform (else nothing could ever train: B's gradient is A x); the adapter's
+    weights are N(0, 0.01^2) with zero biases (HyperFormer's code)."""
+    from hpsearch.model.lora import TaskLoRA
+    branches = [m for m in make("lora").modules() if isinstance(m, TaskLoRA)]
+    assert len(branches) == 2 * 4  # q and v of the 4 self-attentions
+    for branch in branches:
+        assert torch.count_nonzero(branch.B) == 0
+        bound = 1 / math.sqrt(branch.A.shape[-1])
+        assert branch.A.abs().max() <= bound and branch.A.std() > 0.5 * bound / math.sqrt(3)
+    mam = make("mam")
+    for adapter in mam.adapters.values():
+        assert torch.count_nonzero(adapter.up_weight) == 0 and torch.count_nonzero(adapter.up_bias) == 0
+        assert torch.count_nonzero(adapter.down_bias) == 0
+        bound = 1 / math.sqrt(adapter.down_weight.shape[-1])
+        assert adapter.down_weight.abs().max() <= bound and adapter.down_weight.std() > 0.5 * bound / math.sqrt(3)
+    adapter = make("adapter")
+    for a in adapter.adapters.values():
+        for w in (a.down_weight, a.up_weight):
+            assert 0.005 < w.std() < 0.02, w.std()
+        assert torch.count_nonzero(a.down_bias) == 0 and torch.count_nonzero(a.up_bias) == 0
+
+
+def test_a_full_export_keeps_its_backbones_name(tmp_path):
+    model = build_model("t5-tiny", "mtl", TASKS)
+    save_export(model, tmp_path)
+    assert build_model(str(tmp_path)).cfg.backbone == "t5-tiny"
