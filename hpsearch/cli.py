@@ -6,6 +6,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from hpsearch.errors import UserError
 
@@ -15,6 +16,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UserError(f"{self.prog}: {message}; see --help")
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why `folder` could not be created or written ("<nearest existing path> is not a folder" or "... cannot be
+    written"), or None. Nothing is created: a probe file in the nearest existing folder, gone at once (permissions
+    alone miss read-only mounts and /proc, and say yes to root)."""
+    import tempfile
+
+    path = Path(folder).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError:
+        return f"{existing} cannot be written"
 
 
 def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:

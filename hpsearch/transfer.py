@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from hpsearch.cli import Parser, run_main
+from hpsearch.cli import Parser, run_main, unwritable
 from hpsearch.errors import ConfigError, UserError
 
 INITS = ("nearest", "scratch")
@@ -225,6 +225,9 @@ def main(argv: list[str]) -> int:
     if not (0 < args.lr < 1 and math.isfinite(args.lr)):
         raise ConfigError(f"--lr: {args.lr}; expected 0 < lr < 1")
     out = Path(args.out or f"runs/transfer/{args.task}-{args.shots}shot")
+    why = unwritable(out)
+    if why:  # before the run, not after it
+        raise ConfigError(f"--out {out}: {why}; expected a folder this user can create or write")
     result = run(args)  # every input checked before anything is written
     try:
         out.mkdir(parents=True, exist_ok=True)

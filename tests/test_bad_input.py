@@ -54,6 +54,10 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                                                       "database"),
         "server url no port": (["hpsearch.compare", "--storage-path", str(tmp / "runs"), "--tracking-uri",
                                 "http://127.0.0.1:abc"], "--tracking-uri http://127.0.0.1:abc: not a valid URL"),
+        # a bucket whose endpoint does not answer (MinIO not started): it was a 27-line traceback
+        "bucket unreachable": (["hpsearch.tune", "--storage-path", "s3://b/p?endpoint_override=http://127.0.0.1:9",
+                                "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"],
+                               "--storage-path s3://b/p?endpoint_override=http://127.0.0.1:9: cannot reach it"),
         "storage nowhere": (["hpsearch.tune", "--storage-path", "/proc/x/runs", "--tracking-uri",
                              f"sqlite:///{tmp}/mlflow.db"], "--storage-path /proc/x/runs: cannot create it"),
         "optuna storage nowhere": ([*tune, "--optuna-storage", "sqlite:////proc/x/optuna.db"],
@@ -65,6 +69,9 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "argparse type": ([*tune, "--num-samples", "abc"], "invalid int value: 'abc'"),
         "train argparse": (["hpsearch.train", "--bogus"], "unrecognized arguments: --bogus"),
         "data argparse": (["hpsearch.data", "--bogus"], "python -m hpsearch.data: unrecognized arguments: --bogus"),
+        # said before the transfer runs (it was said after it, its results lost)
+        "transfer out nowhere": (["hpsearch.transfer", "--from", str(tmp), "--task", "scitail", "--out", "/proc/x"],
+                                 "--out /proc/x: /proc cannot be written; expected a folder"),
         "train output nowhere": (["hpsearch.train", "--local", "train.output_dir=/proc/x/y"],
                                  "train.output_dir: /proc/x/y: /proc cannot be written; expected a folder"),
         "pretrain too many workers": ([*pretrain, "train.num_workers=64"], "train.num_workers: 64 workers x 2 CPU"),
@@ -97,9 +104,9 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 
 NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite nowhere", "sqlite folder",
-         "sqlite not a database", "server url no port", "storage nowhere",
+         "sqlite not a database", "server url no port", "bucket unreachable", "storage nowhere",
          "optuna storage nowhere", "optuna storage no driver",
-         "too many workers", "no gpu here", "argparse type", "train argparse", "data argparse",
+         "too many workers", "no gpu here", "argparse type", "train argparse", "data argparse", "transfer out nowhere",
          "train too many workers", "train no gpu here", "train output nowhere", "pretrain too many workers",
          "pretrain output nowhere", "corrupt study state",
          "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",

@@ -118,20 +118,12 @@ def local_resources(gpus: bool, as_ray_counts: bool = False) -> dict[str, float]
 def check_output_dir(cfg: RunConfig) -> None:
     """train.output_dir can be made and written (its nearest existing folder is writable), or one line, before
     anything starts (else the run failed in the loop, after Ray and DeepSpeed had started). Nothing is created."""
-    import tempfile
+    from hpsearch.cli import unwritable
 
-    path = Path(cfg.train.output_dir).expanduser().absolute()
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    why = "is not a folder" if existing is not None and not existing.is_dir() else None
-    if why is None:
-        try:  # a probe file, gone at once (permissions alone miss read-only mounts, /proc, and say yes to root)
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError:
-            why = "cannot be written"
+    why = unwritable(cfg.train.output_dir)
     if why:
-        raise UserError(f"train.output_dir: {cfg.train.output_dir}: {existing} {why}; expected a folder this user "
-                        "can create or write")
+        raise UserError(f"train.output_dir: {cfg.train.output_dir}: {why}; expected a folder this user can create "
+                        "or write")
 
 
 def check_fits_locally(cfg: RunConfig) -> None:

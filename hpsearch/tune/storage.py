@@ -15,6 +15,7 @@ a private S3) is given in the URI (`s3://bucket/prefix?endpoint_override=http://
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -56,13 +57,25 @@ class Storage:
         return str(Path(self.root, *(p for p in (name, *parts) if p))), None
 
     # ---- what exists ------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _reaching(self):
+        """A bucket that does not answer (an endpoint not started, no network): one line naming it."""
+        try:
+            yield
+        except OSError as e:
+            if not self.remote:
+                raise
+            raise ConfigError(f"--storage-path {self.uri}: cannot reach it ({str(e).splitlines()[0][:240]})") \
+                from None
+
     def names(self) -> list[str]:
         """The study names under the storage (folders)."""
         if not self.remote:
             root = Path(self.root)
             return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         from pyarrow import fs
-        infos = self.fs.get_file_info(fs.FileSelector(self.root, allow_not_found=True))
+        with self._reaching():
+            infos = self.fs.get_file_info(fs.FileSelector(self.root, allow_not_found=True))
         return sorted(i.base_name for i in infos if i.type == fs.FileType.Directory)
 
     def exists(self, name: str, *parts: str) -> bool:
@@ -70,7 +83,8 @@ class Storage:
         if not self.remote:
             return self.study_dir(name).joinpath(*parts).exists()
         from pyarrow import fs
-        return self.fs.get_file_info(self.remote_path(name, *parts)).type != fs.FileType.NotFound
+        with self._reaching():
+            return self.fs.get_file_info(self.remote_path(name, *parts)).type != fs.FileType.NotFound
 
     def check_writable(self) -> None:
         """One line if the folder cannot be created or written (local), or the bucket is missing or refuses a
@@ -117,7 +131,8 @@ class Storage:
             return
         from pyarrow import fs
         for rel in relative:
-            info = self.fs.get_file_info(self.remote_path(name, rel))
+            with self._reaching():
+                info = self.fs.get_file_info(self.remote_path(name, rel))
             target = self.study_dir(name) / rel
             if info.type == fs.FileType.File:
                 target.parent.mkdir(parents=True, exist_ok=True)
