@@ -857,6 +857,14 @@ def test_pha_retriever_picks_the_nearest_prototype():
         mask[:, 3] = 0
         hidden[:, 3] = -50.0  # padding must not count in the mean
         assert model.nearest_prototype(hidden, mask) == task
+    # cosine, not a dot product: a long prototype off the instances' direction does not win by its length
+    with torch.no_grad():
+        model.prototypes.weight.zero_()
+        model.prototypes.weight[0, 0] = 1.0
+        model.prototypes.weight[1, :2] = 10.0
+    hidden = torch.zeros(6, 4, d)
+    hidden[..., 0] = 1.0
+    assert model.nearest_prototype(hidden, torch.ones(6, 4)) == 0
     # the contrastive loss is low when same-task instances agree and high when they disagree
     z = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
     tids = torch.tensor([0, 0, 1, 1])
@@ -1037,3 +1045,41 @@ def test_a_full_export_keeps_its_backbones_name(tmp_path):
     model = build_model("t5-tiny", "mtl", TASKS)
     save_export(model, tmp_path)
     assert build_model(str(tmp_path)).cfg.backbone == "t5-tiny"
+
+
+def test_prompt_tuning_never_samples_pad_eos_or_unk():
+    """The sampled-vocabulary init draws from ids after T5's pad (0), eos (1) and unk (2)."""
+    model = make("prompt_tuning", config=tiny_config(vocab_size=8), prompt_length=200, prompt_init="vocab")
+    emb = model.t5.get_input_embeddings().weight.detach()
+    rows = model.prompts.weight.detach().view(-1, emb.shape[1])
+    special = emb[:3]
+    assert not any(torch.equal(r, e) for r in rows for e in special)
+    assert all(any(torch.equal(r, e) for e in emb[3:]) for r in rows[:20])  # each a vocabulary embedding
+
+
+@pytest.mark.parametrize("name", ["lora", "hyperprompt-global"])
+def test_dropout_acts_in_training_only(name, batch):
+    """LoRA's branch dropout (the backbone's own dropout 0: only the branch's can make a difference), and the
+    dropout on the attention probabilities in the library's attention (one self-attention called alone, with its
+    layer's prompts: T5Attention has no other dropout): in eval two calls are equal, in training two seeds differ."""
+    if name == "lora":
+        model = perturb(make("lora", lora_dropout=0.5))
+        call = lambda: model(**batch).logits
+    else:
+        model = perturb(make(name, config=tiny_config(dropout_rate=0.5)))
+        attn = model.t5.encoder.block[1].layer[0].SelfAttention
+        h = torch.randn(4, 9, model.t5.config.d_model, generator=torch.Generator().manual_seed(3))
+
+        def call():
+            with model._using(model.task_context(batch["task_ids"])):
+                assert attn.hp_prompt is not None
+                return attn(h)[0]
+    runs = []
+    for mode, seed in (("eval", 0), ("eval", 1), ("train", 0), ("train", 1)):
+        getattr(model, mode)()
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            runs.append(call())
+    assert torch.equal(runs[0], runs[1])
+    assert (runs[2] - runs[3]).abs().max() > 1e-4
+
