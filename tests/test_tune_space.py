@@ -958,3 +958,20 @@ def test_a_bound_written_1e_4_is_a_number():
         space = load_space(write(Path(d), text))
     assert (space.param("train.lr").low, space.param("train.lr").high) == (1e-4, 1e-2)
 
+
+
+def test_resume_without_the_studys_optuna_database_is_one_line(tmp_path):
+    """A study in a bucket tracking to a server keeps its Optuna record in the first machine's working directory;
+    --resume where that file is missing said a flag the user never gave, or made an empty database."""
+    from hpsearch.tune.cli import parse_args, prepare
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = ["--storage-path", str(tmp_path / "runs"), "--tracking-uri", uri]
+    space_path = write(tmp_path, BASE)
+    study, _ = prepare(parse_args([*args, "--space", str(space_path), "--name", "s"]))
+    gone = f"sqlite:///{tmp_path}/elsewhere/optuna.db"
+    study.save_state({"name": "s", "space_path": str(space_path), "space_text": space_path.read_text(),
+                      "overrides": [], "tracking_uri": uri, "parent_run_id": "r", "optuna_storage": gone})
+    with pytest.raises(UserError, match=rf"^--resume: the study's Optuna record {gone} is not on this machine"):
+        prepare(parse_args([*args, "--name", "s", "--resume"]))
+    assert not (tmp_path / "elsewhere").exists()
