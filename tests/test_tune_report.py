@@ -79,6 +79,9 @@ def test_report_best_pareto_importances_and_plots(tmp_path, monkeypatch):
         "optimization_history.png", "parallel_coordinates.png", "importances.png", "pareto_front.png"}
     text = report.render(built, 65.0, "MLflow: x")
     assert "Best trial b by best_score" in text and "Pareto front" in text and "1 failed" in text
+    assert "1 stopped early by ASHA, " in text
+    study.space.budget.time_budget_s = 600.0  # then a trial may have been stopped by the budget instead
+    assert "1 stopped early by ASHA or the time budget, " in report.render(built, 65.0, "MLflow: x")
     assert "non-finite loss (nan) at step 12" in text
     assert report.trials_table(built)["outcome"].tolist() == ["complete"] * 4 + ["stopped", "failed"]
 

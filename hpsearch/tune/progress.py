@@ -26,8 +26,9 @@ def _fmt(value) -> str:
 class TrialEvents(Callback):
     """A Tune callback printing one line per trial event (started, evaluated, complete / stopped / failed)."""
 
-    def __init__(self, total_trials: int, max_steps: int, concurrency: int, outcome):
+    def __init__(self, total_trials: int, max_steps: int, concurrency: int, outcome, stoppers: str = "ASHA"):
         self.total, self.max_steps, self.concurrency, self.outcome = total_trials, max_steps, concurrency, outcome
+        self.stoppers = stoppers  # what stops a trial early: "ASHA", or "ASHA or the time budget"
         self._started: dict[str, float] = {}
         self._seen: dict[str, int] = {}
         self._ended: dict[str, str] = {}
@@ -69,7 +70,7 @@ class TrialEvents(Callback):
             what = (f"complete: best_score {_fmt(result.get('best_score'))} at step {result.get('best_step')}, "
                     f"test_score {_fmt(result.get('test_score'))}")
         elif outcome == "stopped":
-            what = f"stopped by ASHA at step {result.get('step')} (score {_fmt(result.get('score'))})"
+            what = f"stopped by {self.stoppers} at step {result.get('step')} (score {_fmt(result.get('score'))})"
         else:
             what = f"failed: {_last_line(trial.error_file) or 'see its error file'}"
         self._say(f"trial {trial.trial_id} {what} ({took / 60:.1f} min)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpsearch.tune.study import Study
+from hpsearch.tune.study import Study, early_stoppers
 
 FEW_TRIALS = 10  # complete trials below which importances are caveated
 SUMMARY_METRICS = ("step", "score", "best_score", "best_step", "test_score", "extra_params", "step_time", "loss")
@@ -254,8 +254,8 @@ def render(report: Report, elapsed_s: float, mlflow_line: str) -> str:
     counts = report.counts()
     objectives = ", ".join(f"{o.metric} ({o.mode})" for o in space.objectives)
     lines = [f"Study '{report.study.name}' ({space.path}): {len(report.rows)} trials in {elapsed_s / 60:.1f} min "
-             f"({counts['complete']} ran the whole budget, {counts['stopped']} stopped early by ASHA, "
-             f"{counts['failed']} failed); objectives: {objectives}", ""]
+             f"({counts['complete']} ran the whole budget, {counts['stopped']} stopped early by "
+             f"{early_stoppers(space)}, {counts['failed']} failed); objectives: {objectives}", ""]
     best = report.best
     if best:
         shown = ", ".join(f"{m}={_fmt(best.metrics.get(m))}"

@@ -278,6 +278,11 @@ def trainable(study: Study):
     return ray.tune.with_resources(fn, trial_placement(study.space))
 
 
+def early_stoppers(space: SearchSpace) -> str:
+    """What stops a trial before its last step, as the console and the report say it."""
+    return "ASHA or the time budget" if space.budget.time_budget_s else "ASHA"
+
+
 def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     import ray.tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
@@ -295,7 +300,8 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
                                       trial_dirname_creator=trial_dirname,
                                       reuse_actors=study.reuses_actors)  # the next trial keeps the actor's imports
-    events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome)
+    events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome,
+                         stoppers=early_stoppers(space))
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
     results_only_loggers()
