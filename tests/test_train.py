@@ -1395,3 +1395,54 @@ def test_gloo_listens_on_loopback_where_the_hostname_names_a_network_address(tmp
     assert lines[0] == "hostname gloohost 192.0.2.2" and lines[-1] == "done True", run.stdout
     listening = [line.split()[1] for line in lines if line.startswith("LISTEN")]
     assert len(listening) >= 4 and set(listening) == {"127.0.0.1"}, listening  # the store and 3 gloo devices
+
+
+# ---- the loss: a mean over every rank's tokens -----------------------------------------------------------------------
+def test_each_ranks_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
+    """Two ranks' batches of GLUE rows with targets of different lengths (RTE's 'not_entailment' against CoLA's
+    'acceptable'): the average of the ranks' gradients of `token_weighted` (what DeepSpeed's all-reduce makes) equals
+    the gradient of the loss of all their rows in one batch, the mean over every target token; the plain mean of the
+    ranks' own means does not. The count of every rank's tokens comes from the sampler's picks, without a
+    collective: it equals the ranks' batches' label tokens."""
+    import torch
+    from t5_testing import tiny_config
+
+    from hpsearch.data import MultiTaskSampler, get_tokenizer, load_suite
+    from hpsearch.data.config import DataConfig
+    from hpsearch.data.tokens import TokenizedSuite, collate
+    from hpsearch.model import build_model
+    from hpsearch.train.loop import token_weighted
+
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    cfg = DataConfig(source=str(glue), tasks=["rte", "cola", "stsb"], batching="mixed", max_train_rows=64,
+                     max_eval_rows=8, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(cfg)
+    tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", cfg, suite, 512), cfg)
+    samplers = [MultiTaskSampler(suite.sizes("train"), 4, 1.0, "mixed", 0, rank, 2) for rank in (0, 1)]
+    for _ in range(3):  # the count of every rank's tokens is the sum of the ranks' own
+        picks = [next(s) for s in samplers]
+        assert samplers[0].last_all_ranks == samplers[1].last_all_ranks
+        batches = [tokens.batch(p, "train") for p in picks]
+        assert tokens.label_tokens(samplers[0].last_all_ranks, "train") == \
+            sum(int((b["labels"] != -100).sum()) for b in batches)
+    # two ranks, one with short targets, one with long ones
+    rte_long = [i for i, t in enumerate(tokens.ids("rte", "train")[1]) if len(t) > 2][:3]
+    rows = [[(1, 0), (1, 1), (1, 2)], [(0, i) for i in rte_long]]
+    ids = lambda picks: ([tokens.ids(suite.tasks[t], "train")[0][i] for t, i in picks],
+                         [tokens.ids(suite.tasks[t], "train")[1][i] for t, i in picks], [t for t, _ in picks])
+    rank_batches = [collate(*ids(r), tokens.pad) for r in rows]
+    counts = [int((b["labels"] != -100).sum()) for b in rank_batches]
+    assert counts[0] != counts[1], counts
+    torch.manual_seed(0)
+    model = build_model(tiny_config(vocab_size=512, d_model=32), "hyperprompt", suite.tasks)
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    whole = grads(model(**collate(*ids(rows[0] + rows[1]), tokens.pad)).loss)
+    averaged = sum(grads(token_weighted(model(**b), (n, sum(counts)), 2)) for b, n in zip(rank_batches, counts)) / 2
+    plain = sum(grads(model(**b).loss) for b in rank_batches) / 2
+    torch.testing.assert_close(averaged, whole, rtol=1e-4, atol=1e-6)
+    assert (plain - whole).abs().max() > 1e-4  # what each rank's own mean gave

@@ -62,8 +62,9 @@ class MultiTaskSampler:
             tasks = [int(t) for t in rng.choice(len(self.sizes), size=slots, p=self.probabilities)]
         rows = [self._next_row(t) for t in tasks]
         self._step += 1
+        self.last_all_ranks = list(zip(tasks, rows))  # every rank's picks of this batch (the loss's token count)
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        return list(zip(tasks[mine], rows[mine]))
+        return self.last_all_ranks[mine]
 
     def _next_row(self, task: int) -> int:
         epoch, position = divmod(self._consumed[task], self.sizes[task])

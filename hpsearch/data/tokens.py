@@ -69,6 +69,10 @@ class TokenizedSuite:
             prune(self.cache_dir, self._budget, keep=path)
         return ids
 
+    def label_tokens(self, picks: Sequence[tuple[int, int]], split: str) -> int:
+        """The target tokens (eos included, truncated) of these picks: what their loss averages over."""
+        return sum(len(self.ids(self.suite.tasks[t], split)[1][i]) for t, i in picks)
+
     def batch(self, picks: Sequence[tuple[int, int]], split: str) -> dict:
         """The tensors `encode_batch` makes for these (task index, row index) picks."""
         sources, targets = [], []

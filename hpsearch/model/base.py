@@ -387,6 +387,7 @@ class MultiTaskT5(nn.Module):
             if mask is None:
                 mask = torch.ones(out.encoder_last_hidden_state.shape[:2], device=out.encoder_last_hidden_state.device)
             extra, parts = self.auxiliary_losses(ctx, out.encoder_last_hidden_state, mask)
+            out.lm_loss = out.loss  # the language-model part: a mean over this batch's target tokens
             if extra is not None:
                 out.loss = out.loss + extra
             out.aux_losses = {name: value.detach() for name, value in parts.items()}  # the loop logs their means

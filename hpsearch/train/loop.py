@@ -18,7 +18,7 @@ from hpsearch.train import checkpoints, hostmem, startup
 from hpsearch.train.build import ModelBuilder, release, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
-from hpsearch.train.objective import load_objective
+from hpsearch.train.objective import LABEL_TOKENS, load_objective
 from hpsearch.train.ops import import_deepspeed, load_ops
 from hpsearch.train.prefetch import Prefetch
 from hpsearch.train.sessions import RaySession
@@ -60,6 +60,24 @@ class Window:
         values = t.tolist()  # the one host synchronisation of the window
         return {"eval_loss": values[0], "tokens": values[1], "log_loss": values[2], "bad_ranks": values[3],
                 "aux": dict(zip(names, values[4:]))}
+
+
+def token_weighted(out, label_tokens: tuple[int, int] | None, world: int) -> torch.Tensor:
+    """The loss this rank backpropagates. The model's language-model loss is a mean over this rank's target
+    tokens, and DeepSpeed averages the ranks' gradients, so every rank's batch weighed the same whatever its tokens:
+    a token of a short-target batch counted more than one of a long-target batch (on GLUE, a rank's targets were up
+    to 1.75x another's in the same step). Scaled by this rank's share of the step's tokens (`label_tokens`: its own
+    and every rank's, counted by the objective from the sampler's picks, so no collective and no tensor read), the
+    average is the mean over all the step's tokens. A method's auxiliary losses (PHA's) keep their weight. The
+    micro-steps of one step (train.grad_accum) still weigh the same each. Without the counts (an objective that does
+    not know every rank's batch), the model's loss."""
+    if label_tokens is None:
+        return out.loss
+    mine, everyone = label_tokens
+    weight = mine * world / max(everyone, 1)
+    if weight == 1:  # one rank, or ranks with as many tokens each
+        return out.loss
+    return out.loss + getattr(out, "lm_loss", out.loss) * (weight - 1.0)
 
 
 def train_loop(loop_config: dict, session=None) -> dict:
@@ -183,9 +201,11 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
         while step < cfg.train.max_steps:
             engine.train()
             for _ in range(cfg.train.grad_accum):
-                batch = {k: copy(k, v) for k, v in batches.next().items()}
+                host = batches.next()
+                label_tokens = host.pop(LABEL_TOKENS, None)
+                batch = {k: copy(k, v) for k, v in host.items()}
                 out = engine(**batch)
-                loss = out.loss
+                loss = token_weighted(out, label_tokens, world)
                 if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                     loss = loss * float("nan")
                 with gradient_sync(engine):

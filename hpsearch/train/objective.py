@@ -9,7 +9,9 @@ by name (`loop_config["objective"] = "module:Class"`), so pretraining runs the s
     objective.start(engine, device)                       # after DeepSpeed wraps the model
     objective.batch()                                     # this rank's next training batch (CPU tensors; the
                                                           # loop moves all but `task_ids` to the device: the
-                                                          # model takes them on the CPU, see MultiTaskT5)
+                                                          # model takes them on the CPU, see MultiTaskT5), with
+                                                          # LABEL_TOKENS if it knows every rank's batch (the loss
+                                                          # is then a mean over all ranks' tokens)
     objective.evaluate()                                  # validation metrics with "score" (higher is better)
     objective.finish(engine, best)                        # export the (best) weights, score the test split
 """
@@ -23,6 +25,8 @@ import torch
 from hpsearch.config import dump_yaml
 from hpsearch.model import build_from_config, build_skeleton, save_export, save_task_params
 from hpsearch.train.build import build_whole
+
+LABEL_TOKENS = "label_tokens"  # a batch's key: (this rank's target tokens, every rank's), plain ints
 
 # The model library is imported here, with the loop, not first inside a run: imported for the first time from
 # within a training call, it left that run's DeepSpeed engine alive after the run returned, past a full
@@ -85,7 +89,13 @@ class FineTuning:
         self.evaluator = Evaluator(engine, self.suite, self.tokens, self.cfg, self.rank, self.world, device)
 
     def batch(self) -> dict:
-        return self.tokens.batch(next(self.sampler), "train")
+        """This rank's batch, and LABEL_TOKENS: (this rank's target tokens, every rank's of this step; the sampler
+        draws them all), so the loss is a mean over the step's tokens without a collective or a tensor read."""
+        picks = next(self.sampler)
+        batch = self.tokens.batch(picks, "train")
+        batch[LABEL_TOKENS] = (self.tokens.label_tokens(picks, "train"),
+                               self.tokens.label_tokens(self.sampler.last_all_ranks, "train"))
+        return batch
 
     def evaluate(self) -> dict:
         return self.evaluator.evaluate("validation")

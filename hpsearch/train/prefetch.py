@@ -29,7 +29,7 @@ class Prefetch:
         before = self._state()
         batch = self._make()
         if self._pin:
-            batch = {k: v.pin_memory() for k, v in batch.items()}
+            batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}  # tensors
         return before, batch
 
     def next(self) -> dict:
