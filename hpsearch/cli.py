@@ -25,7 +25,10 @@ def unwritable(folder: str | Path) -> str | None:
     import tempfile
 
     path = Path(folder).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as e:  # a folder on the way this user cannot enter (exists() raises on EACCES)
+        return f"{e.filename} cannot be reached ({e.strerror})"
     if not existing.is_dir():
         return f"{existing} is not a folder"
     try:

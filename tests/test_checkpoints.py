@@ -108,3 +108,34 @@ def test_a_rank_resuming_downloads_its_own_zero_partitions_and_the_shared_files_
     local = Path(checkpoints.download_for_rank(storage, "run/checkpoint_000040", None))
     assert sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file()) == \
         sorted(names + [n for ns in partitions.values() for n in ns])
+
+
+def test_a_resume_is_checked_against_the_checkpoints_run_config(tmp_path):
+    """A checkpoint keeps its run config (and pretraining's corpus settings); --resume-from with other values of the
+    fields a resume keeps is one line naming them, and with --local a checkpoint of several ranks says to drop
+    --local. Paths may change (another machine)."""
+    import json
+
+    from hpsearch.config import load_config
+    from hpsearch.errors import UserError
+    from hpsearch.train import checkpoints
+
+    run = load_config(None, ["train.num_workers=2"]).to_dict()
+    corpus = {"noise_density": 0.15, "mean_span_length": 3.0, "path": "/a/corpus"}
+    folder = tmp_path / "step_20"
+    (folder / "state").mkdir(parents=True)
+    checkpoints.write_config(folder, {**run, "corpus": corpus})
+    (folder / checkpoints.REPORT).write_text(json.dumps({"step": 20}))
+    checkpoints.check_resume_dir(folder, {**run, "corpus": {**corpus, "path": "/b/corpus"}})  # the same run
+    other = load_config(None, ["train.num_workers=2", "train.lr=1e-2", "data.seed=3"]).to_dict()
+    with pytest.raises(UserError, match=r"was trained with data.seed=0 \(this run: 3\), train.lr=0.001 \(this run: "
+                                        r"0.01\); a resume continues that run as it was"):
+        checkpoints.check_resume_dir(folder, other)
+    with pytest.raises(UserError, match=r"was trained with corpus.noise_density=0.15 \(this run: 0.5\)"):
+        checkpoints.check_resume_dir(folder, {**run, "corpus": {**corpus, "noise_density": 0.5}})
+    one = load_config(None, ["train.num_workers=1"]).to_dict()
+    with pytest.raises(UserError, match=r"was written by 2 ranks and --local runs one .*: resume it without --local"):
+        checkpoints.check_resume_dir(folder, one, local=True)
+    with pytest.raises(UserError, match=r"is at step 20, not before train.max_steps=20; set train.max_steps above"):
+        checkpoints.check_resume_dir(folder, load_config(None, ["train.num_workers=2",
+                                                                "train.max_steps=20"]).to_dict())

@@ -525,7 +525,11 @@ def test_local_run_resume_equals_uninterrupted(tmp_path):
     for change, said in ((["train.lr=1e-2"], "was trained with train.lr=0.003 (this run: 0.01); a resume continues"),
                          (["data.seed=5", "model.dropout=0.2"], "was trained with data.seed=0 (this run: 5), "
                                                                  "model.dropout=0.1 (this run: 0.2); a resume"),
-                         (["train.max_steps=10", "train.eval_every=10"], "is at step 20, past train.max_steps=10")):
+                         (["train.max_steps=10", "train.eval_every=10"], "is at step 20, not before train.max_steps"
+                                                                         "=10; set train.max_steps above 20"),
+                         # at its step: nothing to train, and no result to report (it returned an empty one)
+                         (["train.max_steps=20", "train.eval_every=10"], "is at step 20, not before train.max_steps"
+                                                                         "=20")):
         refused = run_train("--local", *FAST, *change, f"train.output_dir={tmp_path}/changed", "--resume-from",
                             step_20, timeout=120)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-2000:]
@@ -1407,7 +1411,7 @@ def test_each_ranks_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
     import torch
     from t5_testing import tiny_config
 
-    from hpsearch.data import MultiTaskSampler, get_tokenizer, load_suite
+    from hpsearch.data import get_tokenizer, load_suite
     from hpsearch.data.config import DataConfig
     from hpsearch.data.tokens import TokenizedSuite, collate
     from hpsearch.model import build_model
@@ -1418,13 +1422,19 @@ def test_each_ranks_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
                      max_eval_rows=8, cache_dir=str(tmp_path / "cache"))
     suite = load_suite(cfg)
     tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", cfg, suite, 512), cfg)
-    samplers = [MultiTaskSampler(suite.sizes("train"), 4, 1.0, "mixed", 0, rank, 2) for rank in (0, 1)]
-    for _ in range(3):  # the count of every rank's tokens is the sum of the ranks' own
-        picks = [next(s) for s in samplers]
-        assert samplers[0].last_all_ranks == samplers[1].last_all_ranks
-        batches = [tokens.batch(p, "train") for p in picks]
-        assert tokens.label_tokens(samplers[0].last_all_ranks, "train") == \
-            sum(int((b["labels"] != -100).sum()) for b in batches)
+    # the objective's batches on two ranks: (this rank's label tokens, the sum over the ranks), as the loop takes them
+    from hpsearch.config import load_config
+    from hpsearch.train.objective import LABEL_TOKENS, FineTuning
+    run = load_config(None, [f"data.source={glue}", "data.tasks=rte,cola,stsb", "data.batching=mixed",
+                             "data.max_train_rows=64", "data.max_eval_rows=8", f"data.cache_dir={tmp_path / 'cache'}",
+                             "train.micro_batch_size=4", "train.num_workers=2", "data.temperature=1"])
+    objectives = [FineTuning(run, rank, 2) for rank in (0, 1)]
+    for objective in objectives:
+        objective.tokens = TokenizedSuite(objective.suite, objective.tokenizer, run.data)  # what start() makes
+    for _ in range(3):
+        batches = [objective.batch() for objective in objectives]
+        mine = [int((b["labels"] != -100).sum()) for b in batches]
+        assert [b[LABEL_TOKENS] for b in batches] == [(mine[0], sum(mine)), (mine[1], sum(mine))]
     # two ranks, one with short targets, one with long ones
     rte_long = [i for i, t in enumerate(tokens.ids("rte", "train")[1]) if len(t) > 2][:3]
     rows = [[(1, 0), (1, 1), (1, 2)], [(0, i) for i in rte_long]]

@@ -104,6 +104,13 @@ def test_default_space_shape():
     (BASE + "points_to_evaluate:\n  - {model.variant: global, model.layer_task_dim: 12}\n",
      r"space.yaml:9: points_to_evaluate\[0\].model.layer_task_dim: 12 is outside the searched range; expected a "
      r"value from 8 to 64 in steps of 8$"),
+    # strings PyYAML leaves (nan, 1e999) and a step that is no finite number: one line, not a traceback
+    (BASE.replace("high: 64", "high: nan"), r"space.yaml:4: search.model.layer_task_dim.high: 'nan'; expected a "
+                                            r"number"),
+    (BASE.replace("high: 64", "high: 1e999"), r"space.yaml:4: search.model.layer_task_dim.high: '1e999'; expected"),
+    (BASE.replace("step: 8", "step: .nan"), r"space.yaml:4: search.model.layer_task_dim.step: nan; expected a finite "
+                                            r"number > 0"),
+    (BASE.replace("step: 8", "step: .inf"), r"space.yaml:4: search.model.layer_task_dim.step: inf; expected a finite"),
     # a high off the step grid: Optuna would lower it to 56, warning, and refuse a point at 60 in the report
     (BASE.replace("high: 64", "high: 60"), r"space.yaml:4: search.model.layer_task_dim.high: 60 is not low 8 plus a "
                                            r"whole number of steps of 8; expected high: 56"),
@@ -821,6 +828,16 @@ def test_a_resume_after_the_report_was_logged_only_ends_what_the_end_left(tmp_pa
     assert client.get_run(parent.run_id).info.end_time == end
 
 
+def test_a_study_started_with_a_high_off_the_grid_still_resumes(tmp_path, capsys):
+    """Before 2026-11-27 a high off the step's grid was accepted (Optuna lowered it): such a study's own copy
+    loads on --resume with the high Optuna used, and a new study is refused."""
+    path = write(tmp_path, BASE.replace("high: 64", "high: 60"))
+    with pytest.raises(ConfigError, match="is not low 8 plus a whole number of steps of 8"):
+        load_space(path)
+    assert load_space(path, started=True).param("model.layer_task_dim").high == 56
+    assert "search.model.layer_task_dim.high: 60 lowered to 56" in capsys.readouterr().err
+
+
 def test_a_point_is_in_the_space_exactly_when_optuna_takes_it(tmp_path):
     """`Param.contains` (points_to_evaluate) agrees with Optuna's `create_trial`, which the report's rebuilt study
     applies: on the bounds and the step grid, for int and float steps."""
@@ -970,8 +987,14 @@ def test_resume_without_the_studys_optuna_database_is_one_line(tmp_path):
     space_path = write(tmp_path, BASE)
     study, _ = prepare(parse_args([*args, "--space", str(space_path), "--name", "s"]))
     gone = f"sqlite:///{tmp_path}/elsewhere/optuna.db"
-    study.save_state({"name": "s", "space_path": str(space_path), "space_text": space_path.read_text(),
-                      "overrides": [], "tracking_uri": uri, "parent_run_id": "r", "optuna_storage": gone})
-    with pytest.raises(UserError, match=rf"^--resume: the study's Optuna record {gone} is not on this machine"):
+    state = {"name": "s", "space_path": str(space_path), "space_text": space_path.read_text(), "overrides": [],
+             "tracking_uri": uri, "parent_run_id": "r", "optuna_storage": gone}
+    study.save_state(state)
+    with pytest.raises(UserError, match=rf"^--resume: the study's Optuna record {gone} is missing "
+                                        rf"\({tmp_path}/elsewhere/optuna.db is not on this machine"):
         prepare(parse_args([*args, "--name", "s", "--resume"]))
     assert not (tmp_path / "elsewhere").exists()
+    # a URL with a query string names the same file (SQLAlchemy reads the path without it): it resumes
+    with_query = f"{study.optuna_storage}?timeout=30"
+    study.save_state({**state, "optuna_storage": with_query})
+    assert prepare(parse_args([*args, "--name", "s", "--resume"]))[0].optuna_storage == with_query

@@ -83,7 +83,8 @@ def _check(cfg, corpus, resume_from, local: bool) -> None:
     chunks = Chunks(texts, tokenizer, corpus.max_length - 1, corpus.heldout_chunks)
     if resume_from:
         from hpsearch.train import checkpoints
-        checkpoints.check_resume_dir(resume_from, cfg.to_dict())
+        checkpoints.check_resume_dir(resume_from, {**cfg.to_dict(), "corpus": dataclasses.asdict(corpus)},
+                                     local=local)
     from hpsearch.train.launch import check_fits_locally, check_output_dir
     check_output_dir(cfg)
     if not local:  # workers this machine can never hold would be waited for

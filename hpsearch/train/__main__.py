@@ -34,7 +34,8 @@ def main(argv: list[str]) -> int:
         cfg.train.num_workers = 1
     if args.resume_from:
         from hpsearch.train import checkpoints
-        checkpoints.check_resume_dir(args.resume_from, cfg.to_dict())  # before anything starts, unpickling none
+        # before anything starts, unpickling none
+        checkpoints.check_resume_dir(args.resume_from, cfg.to_dict(), local=args.local)
     check_output_dir(cfg)
     if one_rank:
         print("[hpsearch.train] --local runs one rank (train.num_workers ignored)", file=sys.stderr)

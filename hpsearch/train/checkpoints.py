@@ -91,16 +91,17 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
     return client
 
 
-# what a resume must keep as the checkpoint's run had it: the model, the data and the optimisation (the step count,
-# evaluation, logging, resources and paths may change). The optimizer's and schedule's state come from the checkpoint
-# (a new train.lr was silently ignored), and the sampler's and the ranks' random states assume the same data and ranks.
+# what a resume must keep as the checkpoint's run had it: the model, the data, the ranks and the optimisation (the
+# step count, evaluation, logging, resources per rank and paths may change). The optimizer's and schedule's state
+# come from the checkpoint (a new train.lr was silently ignored), and the sampler's and the ranks' random states
+# assume the same data and ranks.
 RESUME_KEEPS = ("model.", "data.tasks", "data.seed", "data.data_seed", "data.temperature", "data.batching",
                 "data.task_prefix", "data.max_source_length", "data.max_target_length", "data.synthetic_train_rows",
                 "data.synthetic_small_train_rows", "data.synthetic_eval_rows", "data.max_train_rows",
                 "data.vocab_size", "train.num_workers", "train.micro_batch_size", "train.grad_accum",
                 "train.optimizer", "train.lr", "train.embedding_lr_scale", "train.warmup_steps",
-                "train.weight_decay", "train.grad_clip", "train.seed")
-RESUME_MAY_CHANGE = ("model.backbone",)  # a path that may differ between machines (a mismatch fails the load)
+                "train.weight_decay", "train.grad_clip", "train.seed", "corpus.")  # corpus: pretraining's
+RESUME_MAY_CHANGE = ("model.backbone", "corpus.path")  # paths that may differ between machines
 CONFIG = "config.json"
 
 
@@ -109,18 +110,19 @@ def write_config(directory: str | Path, run: dict) -> None:
     (Path(directory) / CONFIG).write_text(json.dumps(run) + "\n")
 
 
-def resume_differences(directory: str | Path, run: dict) -> list[str]:
-    """The fields (`RESUME_KEEPS`) in which the run config `run` differs from the one that wrote the checkpoint,
-    as "field=saved (this run: value)"; none for a checkpoint written before checkpoints kept their config."""
+def resume_differences(directory: str | Path, run: dict) -> dict[str, tuple]:
+    """{field: (the checkpoint's value, this run's)} of the fields (`RESUME_KEEPS`) in which the run config `run`
+    (with a `corpus` section for pretraining) differs from the one that wrote the checkpoint; none for a checkpoint
+    written before checkpoints kept their config."""
     try:
         saved = json.loads((Path(directory) / CONFIG).read_text())
     except (OSError, json.JSONDecodeError):
-        return []
+        return {}
     flat = lambda config: {f"{s}.{k}": v for s, values in config.items() if isinstance(values, dict)
                            for k, v in values.items()}
     old, new = flat(saved), flat(run)
-    return [f"{k}={old[k]!r} (this run: {new.get(k)!r})" for k in sorted(old)
-            if k.startswith(RESUME_KEEPS) and k not in RESUME_MAY_CHANGE and k in new and old[k] != new[k]]
+    return {k: (old[k], new[k]) for k in sorted(old)
+            if k.startswith(RESUME_KEEPS) and k not in RESUME_MAY_CHANGE and k in new and old[k] != new[k]}
 
 
 def state_dict_mismatch(text: str) -> tuple[list[str], list[str]]:
@@ -130,7 +132,7 @@ def state_dict_mismatch(text: str) -> tuple[list[str], list[str]]:
     return missing, re.findall(r'"([\w.]+)"', text.partition("Unexpected key(s)")[2])
 
 
-def check_resume_dir(directory: str | Path, run: dict | None = None) -> None:
+def check_resume_dir(directory: str | Path, run: dict | None = None, local: bool = False) -> None:
     """`--resume-from`: a checkpoint folder whose files are safe to load, or a one-line UserError, before anything
     starts (nothing is unpickled). A checkpoint holds state/ (the training state), or is a finished run's last one,
     which holds its result only (`is_result_only`): that one can be reported again, not trained on past its step.
@@ -148,22 +150,27 @@ def check_resume_dir(directory: str | Path, run: dict | None = None) -> None:
         raise UserError(f"--resume-from: {directory} is not a checkpoint (expected a directory holding "
                         "state/, e.g. <train.output_dir>/checkpoints/step_N)")
     past_end(directory, report, max_steps)
-    differ = resume_differences(directory, run) if run else []
+    differ = resume_differences(directory, run) if run else {}
+    if local and "train.num_workers" in differ:  # `local`: the run is --local, one rank whatever the config says
+        raise UserError(f"--resume-from: {directory} was written by {differ['train.num_workers'][0]} ranks and "
+                        "--local runs one (another global batch and data order): resume it without --local")
     if differ:
-        raise UserError(f"--resume-from: {directory} was trained with {', '.join(differ[:3])}"
-                        f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}; a resume continues that run "
+        said = [f"{k}={old!r} (this run: {new!r})" for k, (old, new) in differ.items()]
+        raise UserError(f"--resume-from: {directory} was trained with {', '.join(said[:3])}"
+                        f"{f' and {len(said) - 3} more' if len(said) > 3 else ''}; a resume continues that run "
                         "as it was (its optimizer, schedule, data order and random streams): set these as it had "
                         "them, or start a new run without --resume-from")
     check_files(directory)
 
 
 def past_end(directory: str | Path, report: dict | None, max_steps: int | None) -> None:
-    """A checkpoint with training state at a step beyond train.max_steps: one line (a resume there used to report
-    its intermediate evaluation as the finished run's result, with no test score and no export)."""
-    if max_steps is not None and report and isinstance(report.get("step"), int) and report["step"] > max_steps:
-        raise UserError(f"--resume-from: {directory} is at step {report['step']}, past train.max_steps={max_steps}; "
-                        f"set train.max_steps to at least {report['step']} (the run's own: resume to train on), or "
-                        "resume from an earlier checkpoint")
+    """A checkpoint with training state at or beyond train.max_steps: one line. There is nothing left to train, and
+    it is an intermediate evaluation, not a finished run's result (no test score, no export); a run's last
+    checkpoint holds its result instead (`is_result_only`)."""
+    if max_steps is not None and report and isinstance(report.get("step"), int) and report["step"] >= max_steps:
+        raise UserError(f"--resume-from: {directory} is at step {report['step']}, not before train.max_steps="
+                        f"{max_steps}; set train.max_steps above {report['step']} (the run's own: resume to train "
+                        "on), or resume from an earlier checkpoint")
 
 
 def is_result_only(directory: str | Path, report: dict | None) -> bool:
@@ -481,18 +488,26 @@ def rng_state() -> dict:
     """Every rank's random state, {"ranks": [{"cpu": ..., "cuda": ...} of rank 0, of rank 1, ...]} (a collective:
     every rank calls it). DeepSpeed writes the client state only into rank 0's file at ZeRO stages 0-2, so a state
     of each rank's own would resume every rank with rank 0's (its dropout masks on every rank). "cuda": the rank's own
-    device, so a resume on a node with another number of visible devices still applies."""
+    device, so a resume on a node with another number of visible devices still applies. Gathered as byte tensors
+    (nothing is pickled between the ranks)."""
     import torch
     import torch.distributed as dist
 
-    own = {"cpu": torch.get_rng_state()}
+    own = [torch.get_rng_state()]
     if torch.cuda.is_available():
-        own["cuda"] = torch.cuda.get_rng_state()
+        own.append(torch.cuda.get_rng_state())
+    flat = torch.cat(own)  # uint8: the CPU generator's state, then the device's
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return {"ranks": [own]}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, own)  # between this run's own ranks; the checkpoint keeps plain tensors
-    return {"ranks": [{k: v.cpu() for k, v in state.items()} for state in ranks]}
+        states = [flat]
+    else:
+        nccl = dist.get_backend() == "nccl"
+        mine = flat.to(torch.device("cuda", torch.cuda.current_device())) if nccl else flat
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        states = [g.cpu() for g in gathered]
+    n = own[0].numel()
+    return {"ranks": [{"cpu": state[:n].clone(), **({"cuda": state[n:].clone()} if len(own) > 1 else {})}
+                      for state in states]}
 
 
 def set_rng_state(state: dict, rank: int) -> bool:

@@ -265,7 +265,9 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                             f.write(json.dumps(final) + "\n")
                         checkpoints.write_report(Path(ckpt), final)  # a resume at this step reports it again
                         checkpoints.write_best(Path(ckpt), best)
-                        checkpoints.write_config(Path(ckpt), loop_config["run"])  # what a resume is checked against
+                        # what a resume is checked against: the run config and the objective's options (corpus)
+                        checkpoints.write_config(Path(ckpt), {**loop_config["run"],
+                                                              **(loop_config.get("options") or {})})
                         if final.get("final") and loop_config.get("export_to"):  # a study in a bucket: exports go there
                             checkpoints.upload_exports(out_dir, *loop_config["export_to"])
                     session.report(final, ckpt)

@@ -87,13 +87,12 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         if optuna_url and optuna_url != state.get("optuna_storage"):
             raise ConfigError(f"--optuna-storage: the study records to {state.get('optuna_storage') or 'memory'}; "
                               "drop --optuna-storage")
-        recorded_at = state.get("optuna_storage") or ""
-        if recorded_at.startswith("sqlite:///") and not Path(recorded_at.removeprefix("sqlite:///")).is_file():
-            # an empty database made here would hold none of the searcher's trials
-            raise ConfigError(f"--resume: the study's Optuna record {recorded_at} is not on this machine (a study "
-                              "in a bucket tracking to an MLflow server keeps it in the first machine's working "
-                              "directory); copy that file to the same path here, then --resume")
-        space = load_space(study_dir / SPACE_COPY, state["overrides"])
+        missing = optuna_store.missing_sqlite_file(state.get("optuna_storage"))
+        if missing:  # an empty database made here would hold none of the searcher's trials
+            raise ConfigError(f"--resume: the study's Optuna record {state['optuna_storage']} is missing ({missing} "
+                              "is not on this machine: a study in a bucket tracking to an MLflow server keeps it in "
+                              "the first machine's working directory); put that file there, then --resume")
+        space = load_space(study_dir / SPACE_COPY, state["overrides"], started=True)
     else:
         space = load_space(space_path, overrides)
         uri = uri or resolve_tracking_uri(DEFAULT_TRACKING_URI)

@@ -33,6 +33,17 @@ def resolve_url(url: str) -> str:
     return url
 
 
+def missing_sqlite_file(url: str | None) -> str | None:
+    """The database file of a sqlite URL when it does not exist (its path as SQLAlchemy reads it: a query string
+    such as ?timeout=30 is no part of it), else None."""
+    if not url or not url.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    return database if database and not Path(database).is_file() else None
+
+
 def open_storage(url: str):
     """The RDBStorage at `url` (tables created once, under a file lock for sqlite); a one-line ConfigError when
     it cannot be opened."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,8 +54,10 @@ TOP_LEVEL = ("name", "description", "model", "data", "train", "search", "objecti
              "sampler", "points_to_evaluate")
 
 
-def load_space(path: str | Path, overrides: list[str] = ()) -> SearchSpace:
-    """Read and validate a space file (with `key=value` overrides) completely; raise ConfigError on any mistake."""
+def load_space(path: str | Path, overrides: list[str] = (), started: bool = False) -> SearchSpace:
+    """Read and validate a space file (with `key=value` overrides) completely; raise ConfigError on any mistake.
+    `started`: a study's own copy, on --resume: a high off its step's grid (accepted before 2026-11-27) is lowered
+    to the grid, as Optuna lowered it when the study started, instead of refused."""
     data, lines = read_yaml(path)
     at = Where(str(path), lines)
     for key in data:
@@ -66,7 +69,7 @@ def load_space(path: str | Path, overrides: list[str] = ()) -> SearchSpace:
     budget = read_section(Budget, data, "budget", at)
     resources = read_section(Resources, data, "resources", at)
     sampler = read_section(Sampler, data, "sampler", at)
-    params = _read_params(data.get("search"), at)
+    params = _read_params(data.get("search"), at, started)
     objectives = _read_objectives(data.get("objectives", [{"metric": "score", "mode": "max"}]), at)
     points = data.get("points_to_evaluate") or []
     if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
@@ -169,7 +172,7 @@ def _validate_config(cfg: RunConfig, at) -> None:
         raise ConfigError(f"{at(key, alias)}: {e}") from None
 
 
-def _read_params(search: Any, at) -> list[Param]:
+def _read_params(search: Any, at, started: bool = False) -> list[Param]:
     if not search:
         raise ConfigError(f"{at('search')}: search: nothing to search; expected `<section>.<field>: {{type: ...}}` "
                           "entries")
@@ -195,12 +198,12 @@ def _read_params(search: Any, at) -> list[Param]:
         when = {k: v if isinstance(v, list) else [v] for k, v in when.items()}
         param = Param(name, kind, spec.get("choices"), spec.get("low"), spec.get("high"), spec.get("step"),
                       bool(spec.get("log", False)), when)
-        _check_shape(param, lambda key, _n=name: at(f"search.{_n}.{key}", f"search.{_n}"))
+        _check_shape(param, lambda key, _n=name: at(f"search.{_n}.{key}", f"search.{_n}"), started)
         params.append(param)
     return params
 
 
-def _check_shape(p: Param, at_key) -> None:
+def _check_shape(p: Param, at_key, started: bool = False) -> None:
     """The distribution on its own: choices present, bounds numbers, low < high, log needs low > 0."""
     where = lambda key: f"{at_key(key)}: search.{p.name}.{key}"
     if p.type == "categorical":
@@ -218,7 +221,8 @@ def _check_shape(p: Param, at_key) -> None:
                 value = float(value)
             except ValueError:
                 continue
-            setattr(p, key, int(value) if p.type == "int" and value == int(value) else value)
+            if math.isfinite(value):  # nan and inf stay as written: "expected a number" below
+                setattr(p, key, int(value) if p.type == "int" and value == int(value) else value)
     for key in ("low", "high"):
         value = getattr(p, key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
@@ -232,8 +236,8 @@ def _check_shape(p: Param, at_key) -> None:
     if (p.log or p.type == "loguniform") and p.low <= 0:
         raise ConfigError(f"{where('low')}: {p.low!r}; a log scale needs low > 0")
     if p.step is not None:
-        if not isinstance(p.step, (int, float)) or isinstance(p.step, bool) or p.step <= 0:
-            raise ConfigError(f"{where('step')}: {p.step!r}; expected a number > 0")
+        if not isinstance(p.step, (int, float)) or isinstance(p.step, bool) or not 0 < p.step < math.inf:
+            raise ConfigError(f"{where('step')}: {p.step!r}; expected a finite number > 0")
         if p.log:
             raise ConfigError(f"{where('step')}: a step cannot be combined with log: true")
         if p.type == "int" and p.step != int(p.step):
@@ -242,6 +246,11 @@ def _check_shape(p: Param, at_key) -> None:
         if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):  # Optuna would lower high to the grid, warning
             top = p.low + math.floor(steps + 1e-9) * p.step
             top = int(top) if p.type == "int" else float(f"{top:.12g}")
+            if started:  # what the study has searched since it started
+                print(f"[hpsearch.tune] {where('high')}: {p.high!r} lowered to {top!r}, on the step's grid, as Optuna "
+                      "did when the study started", file=sys.stderr)
+                p.high = top
+                return
             raise ConfigError(f"{where('high')}: {p.high!r} is not low {p.low!r} plus a whole number of steps of "
                               f"{p.step!r}; expected high: {top!r} (or a step that divides high - low)")
 
