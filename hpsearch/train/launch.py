@@ -126,6 +126,21 @@ def check_output_dir(cfg: RunConfig) -> None:
                         "or write")
 
 
+def shortfall(needs: dict[str, float]) -> tuple[str, float, float, bool] | None:
+    """The first resource a private local Ray can never offer (`needs`: {"CPU": n, "GPU": m}), as (kind, need, what
+    this machine has, whether as Ray counts it), or None. First against os.cpu_count() (no import: the usual mistakes
+    are said at once), then against the CPUs Ray will offer (a container's limit)."""
+    for as_ray_counts in (False, True):
+        have = local_resources(gpus="GPU" in needs, as_ray_counts=as_ray_counts)
+        for kind, need in needs.items():
+            if need > have.get(kind, 0.0) + 1e-9:
+                return kind, need, have.get(kind, 0.0), as_ray_counts
+    return None
+
+
+RAY_COUNTS = " (as Ray counts them: a container's CPU limit, whole CPUs)"  # said when that count falls short
+
+
 def check_fits_locally(cfg: RunConfig) -> None:
     """A run on a private local Ray whose workers this machine can never hold would wait for them (Ray Train's
     worker group times out and retries): one line before Ray starts. Joined to a cluster (RAY_ADDRESS), the
@@ -136,17 +151,15 @@ def check_fits_locally(cfg: RunConfig) -> None:
     needs = {"CPU": t.num_workers * t.cpus_per_worker}
     if t.use_gpu:
         needs["GPU"] = t.num_workers * t.gpus_per_worker
-    for as_ray_counts in (False, True):
-        have = local_resources(gpus=t.use_gpu, as_ray_counts=as_ray_counts)
-        for kind, need in needs.items():
-            if need > have.get(kind, 0.0) + 1e-9:
-                per_worker, field = (t.cpus_per_worker, "cpus") if kind == "CPU" else (t.gpus_per_worker, "gpus")
-                limit = " (as Ray counts them: a container's CPU limit, whole CPUs)" if as_ray_counts else ""
-                gpu = "; or train.use_gpu=false" if kind == "GPU" else ""
-                raise UserError(f"train.num_workers: {t.num_workers} workers x {per_worker:g} {kind} need "
-                                f"{need:g} {kind} but this machine has {have.get(kind, 0.0):g}{limit}; lower "
-                                f"train.num_workers or train.{field}_per_worker{gpu} (or join a cluster that has "
-                                "them: RAY_ADDRESS)")
+    short = shortfall(needs)
+    if short:
+        kind, need, have, as_ray_counts = short
+        per_worker, field = (t.cpus_per_worker, "cpus") if kind == "CPU" else (t.gpus_per_worker, "gpus")
+        gpu = "; or train.use_gpu=false" if kind == "GPU" else ""
+        raise UserError(f"train.num_workers: {t.num_workers} workers x {per_worker:g} {kind} need {need:g} {kind} "
+                        f"but this machine has {have:g}{RAY_COUNTS if as_ray_counts else ''}; lower "
+                        f"train.num_workers or train.{field}_per_worker{gpu} (or join a cluster that has them: "
+                        "RAY_ADDRESS)")
 
 
 def shutdown_ray() -> None:

@@ -159,13 +159,13 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
     if resume_dir:
         try:  # a downloaded copy goes however this ends: ASHA stops trials inside a report (Tune's SystemExit)
             done = checkpoints.read_report(resume_dir)
-            if checkpoints.is_result_only(resume_dir, done) and done["step"] >= cfg.train.max_steps:  # the run is over
+            if checkpoints.is_result_only(resume_dir, done):  # a finished run's last checkpoint: its result
+                if done["step"] < cfg.train.max_steps:
+                    raise UserError(f"checkpoint {resume_dir} is a finished run's last one (step {done['step']}, its "
+                                    f"result only): it cannot train on to train.max_steps={cfg.train.max_steps}")
                 _rank0_print(rank, f"resumed from {resume_dir} at its last step {done['step']}: reporting its result")
                 session.report(done, resume_dir if rank == 0 else None)  # the run's result is its final checkpoint
                 return done
-            if checkpoints.is_result_only(resume_dir, done):
-                raise UserError(f"checkpoint {resume_dir} is a finished run's last one (step {done['step']}, its "
-                                f"result only): it cannot train on to train.max_steps={cfg.train.max_steps}")
             checkpoints.past_end(resume_dir, done, cfg.train.max_steps)
             client = checkpoints.load(engine, resume_dir, tag="state")
             try:

@@ -200,9 +200,8 @@ def _check_backbone(cfg) -> None:
 
 def _check_fits(space) -> None:
     """A trial that can never be placed on this machine (a private local Ray) would wait forever (Tune's warning
-    about it is silenced): say so before Ray starts. First against os.cpu_count() (no import: the usual mistakes are
-    said at once), then against the CPUs Ray will offer (a container's limit)."""
-    from hpsearch.train.launch import local_resources
+    about it is silenced): say so before Ray starts (`launch.shortfall`)."""
+    from hpsearch.train.launch import RAY_COUNTS, local_resources, shortfall
     from hpsearch.tune.cluster import trial_resources
 
     t, needs = space.config.train, trial_resources(space)
@@ -210,17 +209,14 @@ def _check_fits(space) -> None:
     if driver and local_resources(gpus="GPU" in needs).get(driver, 0.0) < 1:
         raise ConfigError(f"resources.driver_resource: {driver}: a private local Ray has no such resource, so no "
                           "trial could start; set it only for a cluster whose head offers it (RAY_ADDRESS)")
-    for as_ray_counts in (False, True):
-        cluster = local_resources(gpus="GPU" in needs, as_ray_counts=as_ray_counts)
-        for kind, need in needs.items():
-            have = cluster.get(kind, 0.0)
-            if need > have + 1e-9:
-                per_worker = t.cpus_per_worker if kind == "CPU" else t.gpus_per_worker
-                extra = f" + {space.resources.trial_cpus} for the trial's driver" if kind == "CPU" else ""
-                limit = " (as Ray counts them: a container's CPU limit, whole CPUs)" if as_ray_counts else ""
-                raise ConfigError(f"resources: one trial needs {need:g} {kind} ({t.num_workers} workers x "
-                                  f"{per_worker:g}{extra}) but this machine has {have:g}{limit}; lower "
-                                  f"resources.workers or resources.{'cpus' if kind == 'CPU' else 'gpus'}_per_worker")
+    short = shortfall(needs)
+    if short:
+        kind, need, have, as_ray_counts = short
+        per_worker = t.cpus_per_worker if kind == "CPU" else t.gpus_per_worker
+        extra = f" + {space.resources.trial_cpus} for the trial's driver" if kind == "CPU" else ""
+        raise ConfigError(f"resources: one trial needs {need:g} {kind} ({t.num_workers} workers x {per_worker:g}"
+                          f"{extra}) but this machine has {have:g}{RAY_COUNTS if as_ray_counts else ''}; lower "
+                          f"resources.workers or resources.{'cpus' if kind == 'CPU' else 'gpus'}_per_worker")
 
 
 def main(argv: list[str]) -> int:

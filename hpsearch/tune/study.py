@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpsearch.config import RunConfig
+from hpsearch.data._util import temporary_beside
 from hpsearch.errors import UserError
 from hpsearch.tune.cluster import trial_placement
 from hpsearch.tune.space import SearchSpace
@@ -125,7 +126,7 @@ class Study:
 
 def _replace_text(path: Path, text: str) -> None:
     """Write `text` to a temporary file beside `path`, flush it to the disk, then rename it onto `path`."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = temporary_beside(path)
     try:
         with open(temporary, "w") as f:
             f.write(text)
@@ -293,8 +294,8 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
     space = study.space
     primary = space.primary
     scheduler = RungKeepingASHA(time_attr="step", metric=primary.metric, mode=primary.mode,
-                              max_t=space.config.train.max_steps, grace_period=space.grace_period,
-                              reduction_factor=space.budget.reduction_factor)
+                                max_t=space.config.train.max_steps, grace_period=space.grace_period,
+                                reduction_factor=space.budget.reduction_factor)
     searcher = make_searcher(space, study.optuna_storage, study.name)
     tune_config = ray.tune.TuneConfig(search_alg=searcher, scheduler=scheduler,
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
