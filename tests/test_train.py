@@ -1256,6 +1256,37 @@ def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path
     assert report["task_context"] >= steps * accum and report["model"] > 0
 
 
+@pytest.mark.slow
+def test_the_reported_loss_of_an_accumulated_step_is_the_mean_over_its_tokens(tmp_path):
+    """One `--local` step of two micro-batches of GLUE rows (targets of different lengths): the loss the run reports
+    equals the mean over every target token of the step's rows under the initial weights, computed here from the
+    model and the batches the objective makes, not the mean of the two micro-batches' means."""
+    import torch
+
+    from hpsearch.config import load_config
+    from hpsearch.data.tokens import TokenizedSuite
+    from hpsearch.train.objective import LABEL_TOKENS, FineTuning
+
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    overrides = ["model.backbone=t5-tiny", f"data.source={glue}", "data.tasks=rte,cola,stsb", "data.batching=mixed",
+                 "data.max_train_rows=64", "data.max_eval_rows=4", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.seed=3", "train.micro_batch_size=4", "train.grad_accum=2", "train.max_steps=1", "train.eval_every=1",
+                 f"train.output_dir={tmp_path / 'run'}"]
+    reported = final_json(run_train("--local", *overrides))["loss"]
+    objective = FineTuning(load_config(None, overrides), 0, 1)
+    objective.tokens = TokenizedSuite(objective.suite, objective.tokenizer, objective.cfg.data)
+    model = objective.model.eval()
+    sums, counts = [], []
+    with torch.no_grad():
+        for _ in range(2):
+            batch = objective.batch()
+            counts.append(batch.pop(LABEL_TOKENS)[0])
+            sums.append(model(**batch).loss.item() * counts[-1])
+    assert counts[0] != counts[1], counts
+    assert reported == pytest.approx(sum(sums) / sum(counts), rel=1e-5)
+    assert reported != pytest.approx(sum(s / n for s, n in zip(sums, counts)) / 2, rel=1e-4)
+
+
 def test_prefetch_hands_out_the_same_batches_and_the_state_before_the_pending_one():
     import torch
 
@@ -1402,12 +1433,14 @@ def test_gloo_listens_on_loopback_where_the_hostname_names_a_network_address(tmp
 
 
 # ---- the loss: a mean over every rank's tokens -----------------------------------------------------------------------
-def test_each_ranks_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
-    """Two ranks' batches of GLUE rows with targets of different lengths (RTE's 'not_entailment' against CoLA's
-    'acceptable'): the average of the ranks' gradients of `token_weighted` (what DeepSpeed's all-reduce makes) equals
-    the gradient of the loss of all their rows in one batch, the mean over every target token; the plain mean of the
-    ranks' own means does not. The count of every rank's tokens comes from the sampler's picks, without a
-    collective: it equals the ranks' batches' label tokens."""
+def test_each_micro_batch_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
+    """Two ranks' micro-batches of GLUE rows with targets of different lengths (RTE's 'not_entailment' against
+    CoLA's 'acceptable'), two micro-batches a step: the average of the four micro-batches' gradients of
+    `token_weighted` (what DeepSpeed's accumulation and all-reduce make) equals the gradient of the loss of all
+    their rows in one batch, the mean over every target token; the plain mean of their own means does not. The
+    count of every micro-batch's tokens comes from the sampler's picks, without a collective: it equals the label
+    tokens of the step's batches on both ranks, and drawing a step at its first micro-batch leaves the sampler
+    where it would be without accumulation at every step's end."""
     import torch
     from t5_testing import tiny_config
 
@@ -1422,27 +1455,32 @@ def test_each_ranks_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
                      max_eval_rows=8, cache_dir=str(tmp_path / "cache"))
     suite = load_suite(cfg)
     tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", cfg, suite, 512), cfg)
-    # the objective's batches on two ranks: (this rank's label tokens, the sum over the ranks), as the loop takes them
+    # the objective's batches on two ranks: (this micro-batch's label tokens, the step's sum), as the loop takes them
     from hpsearch.config import load_config
     from hpsearch.train.objective import LABEL_TOKENS, FineTuning
     run = load_config(None, [f"data.source={glue}", "data.tasks=rte,cola,stsb", "data.batching=mixed",
                              "data.max_train_rows=64", "data.max_eval_rows=8", f"data.cache_dir={tmp_path / 'cache'}",
-                             "train.micro_batch_size=4", "train.num_workers=2", "data.temperature=1"])
+                             "train.micro_batch_size=4", "train.num_workers=2", "data.temperature=1",
+                             "train.grad_accum=2"])
     objectives = [FineTuning(run, rank, 2) for rank in (0, 1)]
+    plain_sampler = FineTuning(run, 0, 2).sampler  # the same draws, one micro-batch at a time
     for objective in objectives:
         objective.tokens = TokenizedSuite(objective.suite, objective.tokenizer, run.data)  # what start() makes
     for _ in range(3):
-        batches = [objective.batch() for objective in objectives]
-        mine = [int((b["labels"] != -100).sum()) for b in batches]
-        assert [b[LABEL_TOKENS] for b in batches] == [(mine[0], sum(mine)), (mine[1], sum(mine))]
-    # two ranks, one with short targets, one with long ones
-    rte_long = [i for i, t in enumerate(tokens.ids("rte", "train")[1]) if len(t) > 2][:3]
-    rows = [[(1, 0), (1, 1), (1, 2)], [(0, i) for i in rte_long]]
+        batches = [[objective.batch() for _ in range(2)] for objective in objectives]  # [rank][micro-step]
+        mine = [[int((b["labels"] != -100).sum()) for b in rank] for rank in batches]
+        step = sum(map(sum, mine))
+        assert [[b[LABEL_TOKENS] for b in rank] for rank in batches] == [[(n, step) for n in rank] for rank in mine]
+        next(plain_sampler), next(plain_sampler)
+        assert objectives[0].sampler.state_dict() == plain_sampler.state_dict()
+    # four micro-batches, two with short targets, two with long ones
+    rte_long = [i for i, t in enumerate(tokens.ids("rte", "train")[1]) if len(t) > 2][:5]
+    rows = [[(1, 0), (1, 1), (1, 2)], [(0, i) for i in rte_long[:3]], [(1, 3)], [(0, i) for i in rte_long[3:]]]
     ids = lambda picks: ([tokens.ids(suite.tasks[t], "train")[0][i] for t, i in picks],
                          [tokens.ids(suite.tasks[t], "train")[1][i] for t, i in picks], [t for t, _ in picks])
-    rank_batches = [collate(*ids(r), tokens.pad) for r in rows]
-    counts = [int((b["labels"] != -100).sum()) for b in rank_batches]
-    assert counts[0] != counts[1], counts
+    micro_batches = [collate(*ids(r), tokens.pad) for r in rows]
+    counts = [int((b["labels"] != -100).sum()) for b in micro_batches]
+    assert len(set(counts)) == 4, counts
     torch.manual_seed(0)
     model = build_model(tiny_config(vocab_size=512, d_model=32), "hyperprompt", suite.tasks)
 
@@ -1451,8 +1489,9 @@ def test_each_ranks_loss_is_weighted_by_its_share_of_the_steps_tokens(tmp_path):
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    whole = grads(model(**collate(*ids(rows[0] + rows[1]), tokens.pad)).loss)
-    averaged = sum(grads(token_weighted(model(**b), (n, sum(counts)), 2)) for b, n in zip(rank_batches, counts)) / 2
-    plain = sum(grads(model(**b).loss) for b in rank_batches) / 2
+    whole = grads(model(**collate(*ids(sum(rows, [])), tokens.pad)).loss)
+    averaged = sum(grads(token_weighted(model(**b), (n, sum(counts)), 4))
+                   for b, n in zip(micro_batches, counts)) / 4
+    plain = sum(grads(model(**b).loss) for b in micro_batches) / 4
     torch.testing.assert_close(averaged, whole, rtol=1e-4, atol=1e-6)
     assert (plain - whole).abs().max() > 1e-4  # what each rank's own mean gave

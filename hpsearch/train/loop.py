@@ -62,20 +62,20 @@ class Window:
                 "aux": dict(zip(names, values[4:]))}
 
 
-def token_weighted(out, label_tokens: tuple[int, int] | None, world: int) -> torch.Tensor:
-    """The loss this rank backpropagates. The model's language-model loss is a mean over this rank's target
-    tokens, and DeepSpeed averages the ranks' gradients, so every rank's batch weighed the same whatever its tokens:
-    a token of a short-target batch counted more than one of a long-target batch (on GLUE, a rank's targets were up
-    to 1.75x another's in the same step). Scaled by this rank's share of the step's tokens (`label_tokens`: its own
-    and every rank's, counted by the objective from the sampler's picks, so no collective and no tensor read), the
-    average is the mean over all the step's tokens. A method's auxiliary losses (PHA's) keep their weight. The
-    micro-steps of one step (train.grad_accum) still weigh the same each. Without the counts (an objective that does
-    not know every rank's batch), the model's loss."""
+def token_weighted(out, label_tokens: tuple[int, int] | None, shares: int) -> torch.Tensor:
+    """The loss this rank backpropagates in one micro-step. The model's language-model loss is a mean over this
+    micro-batch's target tokens, and DeepSpeed averages the `shares` = ranks x train.grad_accum micro-batches'
+    gradients of a step, so each weighed the same whatever its tokens: a token of a short-target batch counted more
+    than one of a long-target batch (on GLUE, a rank's targets were up to 1.75x another's in the same step). Scaled
+    by this micro-batch's share of the step's tokens (`label_tokens`: its own and every micro-batch's of every rank,
+    counted by the objective from the sampler's picks, so no collective and no tensor read), the average is the
+    mean over all the step's tokens, as one batch of every row would give. A method's auxiliary losses (PHA's) keep
+    their weight. Without the counts (an objective that does not know every rank's batch), the model's loss."""
     if label_tokens is None:
         return out.loss
     mine, everyone = label_tokens
-    weight = mine * world / max(everyone, 1)
-    if weight == 1:  # one rank, or ranks with as many tokens each
+    weight = mine * shares / max(everyone, 1)
+    if weight == 1:  # one micro-batch a step, or micro-batches with as many tokens each
         return out.loss
     return out.loss + getattr(out, "lm_loss", out.loss) * (weight - 1.0)
 
@@ -205,7 +205,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 label_tokens = host.pop(LABEL_TOKENS, None)
                 batch = {k: copy(k, v) for k, v in host.items()}
                 out = engine(**batch)
-                loss = token_weighted(out, label_tokens, world)
+                loss = token_weighted(out, label_tokens, world * cfg.train.grad_accum)
                 if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                     loss = loss * float("nan")
                 with gradient_sync(engine):

@@ -10,8 +10,8 @@ by name (`loop_config["objective"] = "module:Class"`), so pretraining runs the s
     objective.batch()                                     # this rank's next training batch (CPU tensors; the
                                                           # loop moves all but `task_ids` to the device: the
                                                           # model takes them on the CPU, see MultiTaskT5), with
-                                                          # LABEL_TOKENS if it knows every rank's batch (the loss
-                                                          # is then a mean over all ranks' tokens)
+                                                          # LABEL_TOKENS if it knows every rank's batches (the
+                                                          # loss is then a mean over the whole step's tokens)
     objective.evaluate()                                  # validation metrics with "score" (higher is better)
     objective.finish(engine, best)                        # export the (best) weights, score the test split
 """
@@ -26,7 +26,8 @@ from hpsearch.config import dump_yaml
 from hpsearch.model import build_from_config, build_skeleton, save_export, save_task_params
 from hpsearch.train.build import build_whole
 
-LABEL_TOKENS = "label_tokens"  # a batch's key: (this rank's target tokens, every rank's), plain ints
+LABEL_TOKENS = "label_tokens"  # a batch's key: (this rank's target tokens, every rank's in every micro-step of
+#                                the step), plain ints
 
 # The model library is imported here, with the loop, not first inside a run: imported for the first time from
 # within a training call, it left that run's DeepSpeed engine alive after the run returned, past a full
@@ -78,6 +79,7 @@ class FineTuning:
         self.model = build(make, skeleton)
         self.sampler = MultiTaskSampler(suite.sizes("train"), cfg.train.micro_batch_size, cfg.data.temperature,
                                         cfg.data.batching, cfg.data.seed, rank, world)
+        self._step_batches: list = []  # the rest of the current step's micro-batches (batch())
 
     def start(self, engine, device) -> None:
         from hpsearch.data.tokens import TokenizedSuite
@@ -89,12 +91,20 @@ class FineTuning:
         self.evaluator = Evaluator(engine, self.suite, self.tokens, self.cfg, self.rank, self.world, device)
 
     def batch(self) -> dict:
-        """This rank's batch, and LABEL_TOKENS: (this rank's target tokens, every rank's of this step; the sampler
-        draws them all), so the loss is a mean over the step's tokens without a collective or a tensor read."""
-        picks = next(self.sampler)
+        """This rank's next micro-batch, and LABEL_TOKENS: (its target tokens, every rank's in all train.grad_accum
+        micro-batches of its step). The sampler draws every rank's picks, and a step's micro-batches are drawn
+        together at its first, so the loss is a mean over the whole step's tokens without a collective or a tensor
+        read. The sampler's state between steps is unchanged: a step's first call draws the step."""
+        if not self._step_batches:
+            drawn = []
+            for _ in range(self.cfg.train.grad_accum):
+                picks = next(self.sampler)
+                drawn.append((picks, self.tokens.label_tokens(self.sampler.last_all_ranks, "train")))
+            everyone = sum(n for _, n in drawn)
+            self._step_batches = [(picks, everyone) for picks, _ in reversed(drawn)]
+        picks, everyone = self._step_batches.pop()
         batch = self.tokens.batch(picks, "train")
-        batch[LABEL_TOKENS] = (self.tokens.label_tokens(picks, "train"),
-                               self.tokens.label_tokens(self.sampler.last_all_ranks, "train"))
+        batch[LABEL_TOKENS] = (self.tokens.label_tokens(picks, "train"), everyone)
         return batch
 
     def evaluate(self) -> dict:
