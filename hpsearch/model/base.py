@@ -21,7 +21,7 @@ A method subclasses `MultiTaskT5` and fills in only the hooks it needs; this cla
                                     site = (side, layer, "attention_residual" | "ffn_residual")
     hooks_site(site)                whether the backbone module at a site may need parallel_branch or adapt_sublayer
                                     (by default: every site of the ones the method fills in)
-    auxiliary_losses(ctx, enc, mask)   (term added to the training loss, {name: value to log}) from the encoder
+    auxiliary_losses(ctx, enc, mask)   (term added to the loss in training, {name: value to log}) from the encoder
                                     output [batch, n, d] and its mask; runs on every forward with labels (PHA)
     nearest_task(batch)             the existing task a new task's rows are closest to (few-shot transfer starts
                                     the new task from it); by default the task under which their loss is lowest
@@ -388,7 +388,7 @@ class MultiTaskT5(nn.Module):
                 mask = torch.ones(out.encoder_last_hidden_state.shape[:2], device=out.encoder_last_hidden_state.device)
             extra, parts = self.auxiliary_losses(ctx, out.encoder_last_hidden_state, mask)
             out.lm_loss = out.loss  # the language-model part: a mean over this batch's target tokens
-            if extra is not None:
+            if extra is not None and self.training:  # a training objective: in eval, `loss` is T5's own
                 out.loss = out.loss + extra
             out.aux_losses = {name: value.detach() for name, value in parts.items()}  # the loop logs their means
         return out
