@@ -211,3 +211,17 @@ def test_the_best_trial_follows_the_primary_objectives_direction(tmp_path, monke
     study = Study("s", tmp_path / "s", load_space(tmp_path / "space.yaml"))
     monkeypatch.setattr(report, "collect", lambda study, grid: rows())
     assert report.build(study, None, tmp_path / "plots").best.trial_id == best
+
+
+def test_a_study_interrupted_between_trials_keeps_the_trials_its_time_budget_has_left():
+    """With `budget.time_budget_s`, a Ctrl-C between two trials (every trial Tune saved has ended) counted the study
+    as finished: its report came out and the rest of its budget was lost. It has trials to go until the driver's
+    time has spent the budget; after that, only those Tune had started."""
+    from hpsearch.tune.study import trials_left
+
+    ended = ["TERMINATED", "TERMINATED", "ERROR"]
+    assert trials_left(ended, 8, None, 100.0) == 5
+    assert trials_left(ended, 8, 600.0, 100.0) == 5  # interrupted with 500 s of the budget left
+    assert trials_left(ended, 8, 600.0, 600.0) == 0  # the budget ended the study
+    assert trials_left([*ended, "PAUSED"], 8, 600.0, 700.0) == 1  # interrupted after it: the started one is left
+    assert trials_left([*ended, "RUNNING"], 2, None, 0.0) == 1  # Tune's trials beyond the number asked for

@@ -348,7 +348,16 @@ def unfinished(study: Study) -> int:
 
     path, filesystem = study.ray_path()
     trials = ExperimentAnalysis(path, storage_filesystem=filesystem).trials
-    done = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
-    if study.space.budget.time_budget_s:  # the time budget ends the study: what did not start never will
-        return len(trials) - done
-    return max(study.space.budget.trials, len(trials)) - done
+    return trials_left([t.status for t in trials], study.space.budget.trials, study.space.budget.time_budget_s,
+                       load_state(study.dir).get("elapsed_s", 0.0))
+
+
+def trials_left(statuses: list[str], trials: int, time_budget_s: float | None, elapsed_s: float) -> int:
+    """What is left of a study whose trials Tune saved with `statuses`, asked for `trials` and `time_budget_s`,
+    with the driver's time so far `elapsed_s` (at least the time the budget counted). Once the time budget is spent,
+    what did not start never will; before, a study interrupted between two trials still has its other trials to go
+    (it was counted finished, and its budget lost)."""
+    done = sum(s in ("TERMINATED", "ERROR") for s in statuses)
+    if time_budget_s and elapsed_s >= time_budget_s:
+        return len(statuses) - done
+    return max(trials, len(statuses)) - done
