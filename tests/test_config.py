@@ -45,6 +45,8 @@ def test_yaml_and_overrides_fill_typed_fields(tmp_path):
     ("", ["train.optimizer=adafactor", "train.embedding_lr_scale=20"],
      r"train.embedding_lr_scale: 20 with adafactor, whose steps already scale with each weight's size"),
     ("", ["train.optimizer=adafactor", "train.use_gpu=true"], r"adafactor needs train.precision=fp32"),
+    ("", ["model.vocab_size=4"], r"model.vocab_size: 4 is out of range; expected an integer from 8 to 1,048,576"),
+    ("", ["model.vocab_size=100000000"], r"model.vocab_size: 100000000 is out of range"),
     ("", ["train.lr"], r"expected key=value"),
     ("", ["train.precision=bf16"], r"needs GPU workers"),
 ])

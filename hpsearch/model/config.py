@@ -18,6 +18,7 @@ ADAPTER_INSERTIONS = ("sequential", "parallel")
 
 # Fields every method uses.
 COMMON_FIELDS = ("backbone", "method", "dropout", "vocab_size")
+MAX_VOCAB = 2**20  # 4x mT5's 250,112; at t5-small's width, already 2 GiB of fp32 embeddings
 # The fields each method can use, beyond COMMON_FIELDS (`mtl` has no task parameters, so no
 # train_task_params_only either: it must stay false there).
 METHOD_FIELDS: dict[str, tuple[str, ...]] = {
@@ -145,8 +146,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}: {value!r} is out of range; expected a number with {text}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: {self.dropout!r} is out of range; expected 0 <= dropout < 1")
-        if self.vocab_size is not None and self.vocab_size < 8:
-            raise ConfigError(f"model.vocab_size: {self.vocab_size!r} is too small; expected >= 8")
+        if self.vocab_size is not None and not 8 <= self.vocab_size <= MAX_VOCAB:  # mT5's: 250,112
+            raise ConfigError(f"model.vocab_size: {self.vocab_size!r} is out of range; expected an integer from 8 "
+                              f"to {MAX_VOCAB:,}")
         if self.method == "mtl" and self.train_task_params_only:
             raise ConfigError("model.train_task_params_only: method=mtl has no task parameters to train alone")
         if self.method == "hyperprompt" and not self.prompted_sides() and self.train_task_params_only:
