@@ -79,6 +79,10 @@ def test_default_space_shape():
      r"space.yaml:4: search.model.layer_task_dim.when.model.varient: unknown field"),
     (BASE.replace("when: {model.variant: global}", "when: {model.variant: globl}"),
      r"space.yaml:4: .*when.model.variant: 'globl' can never hold; model.variant is searched over"),
+    (BASE.replace("  train.lr: {type: loguniform", "  model.bottleneck: {type: int, low: 8, high: 32, when: "
+                  "{model.layer_task_dim: 12}}\n  train.lr: {type: loguniform"),
+     r"space.yaml:5: .*when.model.layer_task_dim: 12 can never hold; model.layer_task_dim is searched over \[8, 64\] "
+     r"in steps of 8"),
     (BASE.replace("when: {model.variant: global}", "when: {train.lr: 0.5}"),
      r"space.yaml:4: .*when.train.lr: train.lr is searched after model.layer_task_dim; list it before"),
     ("model:\n  variant: share\n" + BASE.replace("  model.variant: {type: categorical, choices: [share, sep, "

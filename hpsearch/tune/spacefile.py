@@ -342,7 +342,8 @@ def _check_condition(p: Param, key: str, allowed: list, seen: dict, searched: se
         domain = seen[key]
         never = [v for v in allowed if not domain.contains(v)]
         if never:
-            valid = domain.choices if domain.type == "categorical" else f"[{domain.low}, {domain.high}]"
+            valid = domain.choices if domain.type == "categorical" else f"[{domain.low}, {domain.high}]" + (
+                f" in steps of {domain.step!r}" if domain.step else "")
             raise ConfigError(f"{where}: {never[0]!r} can never hold; {key} is searched over {valid}")
         return
     if key not in flat:
