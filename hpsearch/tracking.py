@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpsearch.cli import unwritable
 from hpsearch.errors import ConfigError, UserError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -62,11 +63,10 @@ def resolve_tracking_uri(uri: str) -> str:
             raise ConfigError(f"--tracking-uri {uri}: {path} is not an SQLite database; expected a new file or "
                               "an MLflow store")
         folder = Path(path).parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"--tracking-uri {uri}: cannot create {folder} ({e.strerror})") from None
-        if not os.access(folder, os.W_OK) or (Path(path).exists() and not os.access(path, os.W_OK)):
+        why = unwritable(folder)  # creates nothing: the folder is made as the store is (store_folder)
+        if why:
+            raise ConfigError(f"--tracking-uri {uri}: cannot create {folder} ({why})")
+        if Path(path).exists() and not os.access(path, os.W_OK):
             raise ConfigError(f"--tracking-uri {uri}: {path} is not writable")
         return f"sqlite:///{path}"
     if uri.startswith(("http://", "https://")):
@@ -127,6 +127,8 @@ def open_store(uri: str) -> None:
     import fcntl
     import logging
 
+    store_folder(uri)
+
     for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
         logging.getLogger(name).setLevel(logging.WARNING)
     path = Path(uri.removeprefix("sqlite:///"))
@@ -136,6 +138,18 @@ def open_store(uri: str) -> None:
             _client(uri).search_experiments(max_results=1)  # builds the tables or checks their version
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def store_folder(uri: str) -> Path | None:
+    """Create the folder of a sqlite store (and of the Optuna database beside it) once every check that writes
+    nothing has passed (`resolve_tracking_uri` only checks that it could be created). Returns the outermost folder
+    it created, or None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    folder = Path(uri.removeprefix("sqlite:///")).parent
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing[-1] if missing else None
 
 
 def ui_command(tracking_uri: str) -> str:

@@ -29,7 +29,8 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     half = tmp / "runs" / "half"
     half.mkdir(parents=True)
     (half / "hpsearch-study.json").write_text(json.dumps({"name": "half"}))
-    tune = ["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri", f"sqlite:///{tmp}/mlflow.db"]
+    # a store in a folder that does not exist yet: a check that fails leaves no such folder behind
+    tune = ["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri", f"sqlite:///{tmp}/new/mlflow.db"]
     pretrain = ["hpsearch.pretrain", "--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "data.source=synthetic",
                 "model.backbone=t5-tiny", f"train.output_dir={tmp}/pretrain-out"]
     leaky = tmp / "leaky-corpus"
@@ -141,6 +142,7 @@ def test_bad_input_is_one_line_before_anything_starts(name, table, tmp_path):
     assert not proc.stdout.strip(), proc.stdout[-500:]
     assert not list(tmp_path.iterdir())  # nothing written where the command ran
     assert not (tmp / "mlflow.db").exists() and not (tmp / "optuna.db").exists()  # no MLflow or Optuna store
+    assert not (tmp / "new").exists()  # nor the folder of one
     assert sorted(p.name for p in (tmp / "runs").iterdir()) == ["broken", "half"]  # no study folder
     after = set(Path("/tmp/ray").glob("session_2*")) if Path("/tmp/ray").is_dir() else set()
     assert after <= before  # no Ray session was started

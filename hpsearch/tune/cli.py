@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     """Everything a study needs, validated, before Ray or MLflow start: (study, state to save)."""
-    from hpsearch.tracking import DEFAULT_TRACKING_URI, check_experiment_active, resolve_tracking_uri
+    from hpsearch.tracking import DEFAULT_TRACKING_URI, check_experiment_active, resolve_tracking_uri, store_folder
     from hpsearch.tune import optuna_store
 
     if args.num_samples is not None and args.num_samples < 1:
@@ -121,8 +121,14 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
         _check_fits(space)
     check_experiment_active(state["tracking_uri"], name)
     storage.check_writable()  # after the checks that write nothing: it creates the storage's folder
+    made = store_folder(state["tracking_uri"])  # and the MLflow store's (the Optuna database may go beside it)
     if state.get("optuna_storage"):  # creates the database (its tables) when it is new
-        optuna_store.open_storage(state["optuna_storage"])
+        try:
+            optuna_store.open_storage(state["optuna_storage"])
+        except ConfigError:
+            if made:  # the store's new folder, which this command made a moment ago: nothing is left behind
+                shutil.rmtree(made, ignore_errors=True)
+            raise
     if not args.resume and not storage.remote:  # last: the name is this study's from now on (see _claim)
         name, study_dir = _claim(storage, name, study_dir, args.name is None, space.name, recorded)
         state["name"] = name
