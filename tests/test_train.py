@@ -1270,8 +1270,8 @@ def test_the_reported_loss_of_an_accumulated_step_is_the_mean_over_its_tokens(tm
     glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
     overrides = ["model.backbone=t5-tiny", f"data.source={glue}", "data.tasks=rte,cola,stsb", "data.batching=mixed",
                  "data.max_train_rows=64", "data.max_eval_rows=4", f"data.cache_dir={tmp_path / 'cache'}",
-                 "data.seed=3", "train.micro_batch_size=4", "train.grad_accum=2", "train.max_steps=1", "train.eval_every=1",
-                 f"train.output_dir={tmp_path / 'run'}"]
+                 "data.seed=3", "train.micro_batch_size=4", "train.grad_accum=2", "train.max_steps=1",
+                 "train.eval_every=1", f"train.output_dir={tmp_path / 'run'}"]
     reported = final_json(run_train("--local", *overrides))["loss"]
     objective = FineTuning(load_config(None, overrides), 0, 1)
     objective.tokens = TokenizedSuite(objective.suite, objective.tokenizer, objective.cfg.data)
