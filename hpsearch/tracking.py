@@ -251,9 +251,13 @@ class StudyRun:
             "mlflow.source.name": "python -m hpsearch.tune", "mlflow.note.content": description or study})
         self = cls(tracking_uri, experiment_id, run.info.run_id)
         from mlflow.entities import Param
-        _log_batches(client, self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
-        _log_text(client, self.run_id, space_text, Path(space_path).name)
-        _log_text(client, self.run_id, command + "\n", "command.txt")
+        try:
+            _log_batches(client, self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+            _log_text(client, self.run_id, space_text, Path(space_path).name)
+            _log_text(client, self.run_id, command + "\n", "command.txt")
+        except BaseException:  # the run is not left RUNNING
+            client.set_terminated(self.run_id, status="FAILED")
+            raise
         return self
 
     @classmethod

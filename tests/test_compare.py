@@ -144,6 +144,14 @@ def test_spec_methods_overrides_and_seeds(tmp_path):
      "method mtl does not use prompt_length_encoder"),
     (("name: tiny", "name: tiny\nsweep: {method: hyperprompt-global, field: model.dropout, values: [null, 0.1]}"), 2,
      "sweep.values: [None, 0.1] has a null; expected each value written out"),
+    # a sweep's rows are ordered by value, the method's own among them: its own must be set and of the values' kind
+    # (a report sorting None or "auto" among numbers crashed after every trial had run)
+    (("name: tiny", "name: tiny\nsweep: {method: hyperprompt-global, field: model.dropout, values: [0.0, 0.1]}"), 2,
+     "sweep.field: model.dropout is unset in method hyperprompt-global (its default, null, is the backbone's"),
+    (("name: tiny", "name: tiny\nsweep: {method: mtl, field: train.zero_stage, values: [0, 3]}"), 2,
+     "sweep.values: [0, 3] and method mtl's own train.zero_stage, 'auto', are not of one kind (numbers and "
+     "strings)"),
+    (("  mtl: {method: mtl}", f"  {'m' * 65}: {{method: mtl}}"), 6, "expected up to 64 letters, digits"),
     (("probe: {rows_per_task: 4", "probe: {rows_per_task: 0"), 12, "probe.rows_per_task: 0; expected an integer >= 1"),
     (("trial_cpus: 0.1}", "trial_cpus: 0.1, worker_group: ray}"), 11,
      "resources.worker_group: 'ray'; expected auto or always or pool"),
@@ -448,3 +456,27 @@ def test_tiny_comparison_end_to_end_tracks_parent_children_table_and_plots(tmp_p
         hp = child.data.tags["hpsearch.label"] == "hyperprompt-global"
         assert ("attn/encoder/0/prompt_mass" in child.data.metrics) and \
             (child.data.metrics["attn/encoder/0/prompt_mass"] > 0) == hp
+
+
+def test_a_labels_parameter_is_an_mlflow_name_and_a_refused_parameter_ends_the_run(tmp_path):
+    """A label may hold '+', which MLflow refuses in a parameter's name: the comparison's parent run logged
+    `method.hp+g` and crashed after creating the run, which stayed RUNNING. Its parameter is `method.hp_g`; a
+    parameter MLflow still refuses ends the run FAILED."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from hpsearch.compare.cli import _params
+    from hpsearch.tracking import StudyRun
+
+    spec = load_spec(write(tmp_path, TINY.replace("  hyperprompt-global:", "  hp+g:")))
+    params = _params(SimpleNamespace(spec=spec, name="tiny"), SimpleNamespace(from_study=None))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    make = lambda p: StudyRun.create(uri, "tiny", space_path=str(spec.path), space_text=spec.text,
+                                     command="python -m hpsearch.compare", params=p)
+    run = MlflowClient(uri).get_run(make(params).run_id)
+    assert "model.variant=global" in run.data.params["method.hp_g"] and run.info.status == "RUNNING"
+    with pytest.raises(Exception, match="Invalid value"):
+        make({"method.hp+g": "x"})
+    runs = MlflowClient(uri).search_runs([run.info.experiment_id], order_by=["start_time DESC"])
+    assert [r.info.status for r in runs] == ["FAILED", "RUNNING"]

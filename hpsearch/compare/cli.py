@@ -128,13 +128,13 @@ def main(argv: list[str]) -> int:
     spec = comparison.spec
     parent = StudyRun.create(state["tracking_uri"], comparison.name, space_path=spec.path, space_text=spec.text,
                              command=command, params=_params(comparison, args), description=spec.description)
-    for key, value in {ROLE_TAG: "comparison", "mlflow.source.name": "python -m hpsearch.compare"}.items():
-        parent.client.set_tag(parent.run_id, key, value)
-    state.update(parent_run_id=parent.run_id, command=command)
-    comparison.save_state(state)
-    for note in notes:
-        print(f"[hpsearch.compare] {note}", flush=True)
     try:
+        for key, value in {ROLE_TAG: "comparison", "mlflow.source.name": "python -m hpsearch.compare"}.items():
+            parent.client.set_tag(parent.run_id, key, value)
+        state.update(parent_run_id=parent.run_id, command=command)
+        comparison.save_state(state)
+        for note in notes:
+            print(f"[hpsearch.compare] {note}", flush=True)
         # workers' output: Ray's session logs; the console: trial events
         init_ray(spec.config, log_to_driver=False, dashboard=uses_ray_train(spec))
         max_concurrent = concurrency(spec, ray.cluster_resources())
@@ -212,6 +212,10 @@ def _report(comparison, parent, result_grid, elapsed, sizes, tasks, notes) -> in
 
 
 def _params(comparison, args) -> dict:
+    """The parent run's parameters: a method's under `method.<label>` in MLflow's characters (a label's `+`
+    is not one; labels that would give one name are refused with the spec)."""
+    from hpsearch.compare.spec import metric_name
+
     spec = comparison.spec
     t = spec.config.train
     return {"spec": Path(spec.path).name, "comparison": comparison.name,
@@ -220,4 +224,5 @@ def _params(comparison, args) -> dict:
             "workers": t.num_workers, "interval": spec.stats.interval, "confidence": spec.stats.confidence,
             "backbone": spec.config.model.backbone, "from_study": args.from_study or "",
             "sweep": f"{spec.sweep.method}:{spec.sweep.field}={spec.sweep.values}" if spec.sweep else "",
-            **{f"method.{m.label}": ",".join(f"{k}={v}" for k, v in m.fields.items()) for m in spec.methods}}
+            **{f"method.{metric_name(m.label)}": ",".join(f"{k}={v}" for k, v in m.fields.items())
+               for m in spec.methods}}

@@ -41,7 +41,7 @@ from hpsearch.tune.spacefile import Where, read_section, set_key
 
 TOP_LEVEL = ("name", "description", "model", "data", "train", "methods", "references", "seeds", "sweep", "budget",
              "resources", "stats", "probe")
-LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+-]*")
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_+-]{0,63}")  # also in MLflow's names (at most 250 characters)
 INTERVALS = ("t", "bootstrap")
 # a bootstrap over fewer seeds covers far less than its confidence: of a stated 95 %, 54 % at 2 seeds, 71 % at 3,
 # 85 % at 5 and 90 % at 10 (normal scores, 200-300 simulated comparisons each), where the t interval keeps 93-98 %
@@ -240,7 +240,8 @@ def _read_methods(methods: Any, at, registry: tuple[str, ...]) -> dict[str, dict
     for label, entry in methods.items():
         where = at(f"methods.{label}")
         if not isinstance(label, str) or not LABEL.fullmatch(label):
-            raise ConfigError(f"{where}: methods: label {label!r}; expected letters, digits, '_', '+' and '-'")
+            raise ConfigError(f"{where}: methods: label {label!r}; expected up to 64 letters, digits, '_', '+' "
+                              "and '-'")
         if not isinstance(entry, dict) or "method" not in entry:
             raise ConfigError(f"{where}: methods.{label}: expected a mapping with `method: <one of "
                               f"{', '.join(registry)}>` and the fields it sets")
@@ -418,7 +419,21 @@ def _read_sweep(sweep: Any, spec: Spec, at) -> Sweep | None:
         out.append(probe.flat()[key])
     if len(set(map(repr, out))) != len(out):
         raise ConfigError(f"{where_values}: sweep.values: {values!r} lists a value twice")
+    own = method.config.flat()[key]  # the method's own row is one of the sweep's: ordered among the values
+    if own is None:
+        raise ConfigError(f"{where}: sweep.field: {key} is unset in method {label} (its default, null, is the "
+                          f"backbone's own value); set it in the method ({label}: {{{key}: ...}}) so its row has a "
+                          "value among the sweep's")
+    kinds = {_kind(v) for v in [own, *out]}
+    if len(kinds) > 1:
+        raise ConfigError(f"{where_values}: sweep.values: {values!r} and method {label}'s own {key}, {own!r}, are "
+                          f"not of one kind ({' and '.join(sorted(kinds))}); expected values that can be ordered "
+                          "with it")
     return Sweep(label, key, out)
+
+
+def _kind(value) -> str:
+    return "true/false" if isinstance(value, bool) else "numbers" if isinstance(value, (int, float)) else "strings"
 
 
 def _validate_sections(spec: Spec, at) -> None:
