@@ -385,6 +385,8 @@ def compare_cmd(tmp_path, *args):
     ("--seeds 0", "--seeds: 0; expected an integer from 1 to 1000"),
     ("no such study", "--from-study nope: no study 'nope' in"),
     ("deleted experiment", "MLflow experiment hpsearch/gone is deleted in sqlite:///"),
+    ("from-study not a name", "--from-study '../x': expected a plain name"),
+    ("spec name not a name", "spec.yaml: name: 'a b': expected a plain name"),
 ])
 def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, message):
     text, args = TINY, []
@@ -399,6 +401,10 @@ def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, me
         text = TINY.replace("seeds: 2", "seeds: 0")
     elif case == "--seeds 0":
         args = ["--seeds", "0"]
+    elif case == "from-study not a name":
+        args = ["--from-study", "../x"]
+    elif case == "spec name not a name":
+        text = TINY.replace("name: tiny", "name: a b")
     else:
         args = ["--from-study", "nope"]
     spec = write(tmp_path, text)
@@ -410,6 +416,22 @@ def test_command_line_mistakes_are_one_line_before_ray_starts(tmp_path, case, me
     assert "Traceback" not in out.stderr and "ray" not in out.stdout.lower()
     assert (case == "deleted experiment") == (tmp_path / "mlflow.db").exists()  # nothing started
     assert not (tmp_path / "runs").exists()
+
+
+def test_comparisons_started_together_take_a_name_each(tmp_path):
+    """Nothing marked a comparison's name taken until it saved its state, after its MLflow run: two started
+    together took one folder, one overwriting the other's state and report (found by an independent review). The
+    checks now end by claiming the folder: without --name the second takes the next free name, with it, one line."""
+    from hpsearch.compare.cli import parse_args, prepare
+
+    spec = write(tmp_path, TINY)
+    base = ["--spec", str(spec), "--storage-path", str(tmp_path / "runs"), "--tracking-uri",
+            f"sqlite:///{tmp_path}/mlflow.db"]
+    first, second = prepare(parse_args(base))[0], prepare(parse_args(base))[0]
+    assert (first.name, second.name) == ("tiny", "tiny-2") and first.dir.is_dir() and second.dir.is_dir()
+    prepare(parse_args([*base, "--name", "mine"]))
+    with pytest.raises(ConfigError, match="--name mine: a study or comparison of that name already exists"):
+        prepare(parse_args([*base, "--name", "mine"]))
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------

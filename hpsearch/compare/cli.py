@@ -50,6 +50,7 @@ def prepare(args: argparse.Namespace):
     from hpsearch.tune.cli import (
         _check_backbone,
         _check_fits,
+        _claim,
         _next_free_study,
         _study_dir,
     )
@@ -65,7 +66,7 @@ def prepare(args: argparse.Namespace):
     notes = apply_best(spec, storage, args.from_study) if args.from_study else []
     uri = resolve_tracking_uri(args.tracking_uri or DEFAULT_TRACKING_URI)
     name = args.name or _next_free_study(storage, spec.name)
-    where = _study_dir(storage, name)
+    where = _study_dir(storage, name, "--name" if args.name else f"{spec_path}: name:")
     if storage.exists(name):
         raise ConfigError(f"--name {name}: a study or comparison of that name already exists in {where}; choose "
                           "another --name")
@@ -81,6 +82,8 @@ def prepare(args: argparse.Namespace):
     # builds) imports torch and the model library (~5 s); then the storage folder is made (the last check)
     sizes = {entry.label: backbone_size(entry.config, tasks) for entry in spec.entries()}
     storage.check_writable()
+    if not storage.remote:  # last: the name is this comparison's from now on (two started together took one name)
+        name, where = _claim(storage, name, where, args.name is None, spec.name, set(), then="choose another --name")
     state = {"name": name, "spec_path": str(spec_path), "spec_text": spec.text, "overrides": overrides,
              "from_study": args.from_study, "tracking_uri": uri}
     from hpsearch.compare.run import Comparison  # Ray Tune: after the checks, so a mistake is said at once

@@ -40,7 +40,7 @@ def study_dir(storage_path, name: str) -> Path:
     from hpsearch.tune.storage import open_storage
 
     storage = open_storage(str(storage_path)) if isinstance(storage_path, (str, Path)) else storage_path
-    where = _study_dir(storage, name)
+    where = _study_dir(storage, name, "--from-study")
     storage.pull(name, STATE_FILE, SPACE_COPY)
     storage.pull_each(name, "trials", "config.yaml", "metrics.jsonl", "FAILED")  # what finished_trials reads
     if not (where / STATE_FILE).is_file():

@@ -122,9 +122,11 @@ def _final_scores(cfg: RunConfig) -> dict[str, float]:
 def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     import ray.tune
 
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
     from hpsearch.tune.cluster import trial_placement
     from hpsearch.tune.progress import TrialEvents
-    from hpsearch.tune.study import trial_dirname
+    from hpsearch.tune.study import results_only_loggers, trial_dirname
 
     spec = comparison.spec
     fn = ray.tune.with_parameters(run_comparison_trial, comparison=comparison)
@@ -138,8 +140,10 @@ def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     events = TrialEvents(trials, spec.config.train.max_steps, max_concurrent, comparison.outcome)
     # the console: a study's one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = comparison.storage.ray_path()
+    results_only_loggers()  # the table reads each trial's result files: their loggers are given, as a study's are
     run_config = ray.tune.RunConfig(name=comparison.name, storage_path=storage_path, storage_filesystem=storage_fs,
-                                    callbacks=[*callbacks, events], verbose=0,
+                                    callbacks=[*callbacks, events, CSVLoggerCallback(), JsonLoggerCallback()],
+                                    verbose=0,
                                     failure_config=ray.tune.FailureConfig(max_failures=spec.budget.max_failures))
     return ray.tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config)
 

@@ -135,8 +135,8 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
     return Study(name, study_dir, space, state.get("optuna_storage"), storage=storage), state
 
 
-def _claim(storage: Storage, name: str, study_dir: Path, free_to_rename: bool, base: str, recorded: set[str]
-           ) -> tuple[str, Path]:
+def _claim(storage: Storage, name: str, study_dir: Path, free_to_rename: bool, base: str, recorded: set[str],
+           then: str = "add --resume to continue it, or choose another --name") -> tuple[str, Path]:
     """Create the study's folder, failing if it exists: nothing else marks a name taken until the study saves its
     state, after Ray has started, so two studies started together took the same name (one folder, one Optuna
     study, each pruning the other's checkpoints). Without --name the next free name is taken instead."""
@@ -146,8 +146,8 @@ def _claim(storage: Storage, name: str, study_dir: Path, free_to_rename: bool, b
             return name, study_dir
         except FileExistsError:
             if not free_to_rename:
-                raise ConfigError(f"--name {name}: a study of that name has just started in {study_dir}; add "
-                                  "--resume to continue it, or choose another --name") from None
+                raise ConfigError(f"--name {name}: a study of that name has just started in {study_dir}; {then}"
+                                  ) from None
             name = _next_free_study(storage, base, recorded)
             study_dir = _study_dir(storage, name)
 
@@ -182,10 +182,11 @@ def _latest_study(storage_path: str | Storage, base: str) -> str:
     return taken[-1][1] if taken else base
 
 
-def _study_dir(storage: str | Storage, name: str) -> Path:
-    """The study's local folder (with a bucket: its local mirror)."""
+def _study_dir(storage: str | Storage, name: str, given_by: str = "--name") -> Path:
+    """The study's local folder (with a bucket: its local mirror); `given_by`: where the name came from, for the
+    message when it is no plain name."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
-        raise ConfigError(f"--name {name!r}: expected a plain name (letters, digits, '.', '-' and '_')")
+        raise ConfigError(f"{given_by} {name!r}: expected a plain name (letters, digits, '.', '-' and '_')")
     return (open_storage(storage) if isinstance(storage, str) else storage).study_dir(name)
 
 
