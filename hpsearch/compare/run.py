@@ -121,7 +121,6 @@ def _final_scores(cfg: RunConfig) -> dict[str, float]:
 
 def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     import ray.tune
-
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     from hpsearch.tune.cluster import trial_placement
