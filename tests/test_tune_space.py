@@ -310,14 +310,18 @@ def test_concurrency_follows_resources(tmp_path):
     from hpsearch.tune.cluster import concurrency
 
     space = load_space(write(tmp_path, BASE))  # 2 workers x 0.9 CPU + 0.1 for the trial's driver
-    assert concurrency(space, {"CPU": 2.0}) == 1
-    assert concurrency(space, {"CPU": 8.0}) == 4
-    assert concurrency(space, {"CPU": 1.0}) == 1  # waits for the autoscaler rather than never starting
+    # null: what fits (the limit too on a machine of its own)
+    assert concurrency(space, {"CPU": 2.0}) == (1, 1)
+    assert concurrency(space, {"CPU": 8.0}) == (4, 4)
+    assert concurrency(space, {"CPU": 1.0}) == (1, 1)  # waits for the autoscaler rather than never starting
     gpu = load_space(write(tmp_path, BASE + "resources:\n  workers: 2\n  gpus_per_worker: 1\n  cpus_per_worker: 4\n"))
     assert gpu.config.train.use_gpu
-    assert concurrency(gpu, {"CPU": 64.0, "GPU": 8.0}) == 4
+    assert concurrency(gpu, {"CPU": 64.0, "GPU": 8.0}) == (4, 4)
+    # on a cluster that may grow, no limit: Tune's one pending trial is the demand its autoscaler adds nodes for
+    assert concurrency(gpu, {"CPU": 8.0}, grows=True) == (None, 1)
     capped = load_space(write(tmp_path, BASE + "resources:\n  max_concurrent: 2\n"))
-    assert concurrency(capped, {"CPU": 64.0}) == 2
+    assert concurrency(capped, {"CPU": 64.0}) == (2, 2)
+    assert concurrency(capped, {"CPU": 2.0}, grows=True) == (2, 2)
 
 
 def test_a_one_worker_trial_is_one_bundle_in_its_own_actor_unless_told(tmp_path):

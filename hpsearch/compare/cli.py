@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     from hpsearch.compare.run import ComparisonRuns, make_tuner
     from hpsearch.tracking import ROLE_TAG, StudyRun
     from hpsearch.train import init_ray, shutdown_ray
-    from hpsearch.tune.cluster import concurrency, uses_ray_train
+    from hpsearch.tune.cluster import at_a_time, concurrency, uses_ray_train
 
     spec = comparison.spec
     parent = StudyRun.create(state["tracking_uri"], comparison.name, space_path=spec.path, space_text=spec.text,
@@ -140,13 +140,13 @@ def main(argv: list[str]) -> int:
             print(f"[hpsearch.compare] {note}", flush=True)
         # workers' output: Ray's session logs; the console: trial events
         init_ray(spec.config, log_to_driver=False, dashboard=uses_ray_train(spec))
-        max_concurrent = concurrency(spec, ray.cluster_resources())
+        limit, now = concurrency(spec, ray.cluster_resources(), grows=bool(os.environ.get("RAY_ADDRESS")))
         n = len(spec.entries()) * len(spec.seeds)
         print(f"[hpsearch.compare] comparison '{comparison.name}': {len(spec.entries())} configurations x "
-              f"{len(spec.seeds)} seeds = {n} trials, {max_concurrent} at a time, state in {comparison.dir}, MLflow "
+              f"{len(spec.seeds)} seeds = {n} trials, {at_a_time(limit, now)}, state in {comparison.dir}, MLflow "
               f"{parent.tracking_uri} (run {parent.run_id})", flush=True)
         callbacks = [ComparisonRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, comparison)]
-        tuner = make_tuner(comparison, callbacks, max_concurrent)
+        tuner = make_tuner(comparison, callbacks, limit, now)
         code = _run(comparison, parent, tuner, sizes, tasks, notes)
     except KeyboardInterrupt:  # a second Ctrl-C: the runs are not left RUNNING
         parent.finish("KILLED")

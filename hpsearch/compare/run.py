@@ -119,7 +119,7 @@ def _final_scores(cfg: RunConfig) -> dict[str, float]:
     return {k: final[k] for k in keys if isinstance(final.get(k), (int, float))}
 
 
-def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
+def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int | None, running: int):
     import ray.tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
@@ -136,7 +136,7 @@ def make_tuner(comparison: Comparison, callbacks: list, max_concurrent: int):
     tune_config = ray.tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent,
                                       trial_dirname_creator=trial_dirname, reuse_actors=comparison.reuses_actors)
     trials = len(spec.entries()) * len(spec.seeds)
-    events = TrialEvents(trials, spec.config.train.max_steps, max_concurrent, comparison.outcome)
+    events = TrialEvents(trials, spec.config.train.max_steps, running, comparison.outcome)
     # the console: a study's one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = comparison.storage.ray_path()
     results_only_loggers()  # the table reads each trial's result files: their loggers are given, as a study's are

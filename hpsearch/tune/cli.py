@@ -239,7 +239,7 @@ def main(argv: list[str]) -> int:
 
     from hpsearch.tracking import StudyRun, open_store
     from hpsearch.train import init_ray, shutdown_ray
-    from hpsearch.tune.cluster import concurrency, uses_ray_train, wait_for_nodes
+    from hpsearch.tune.cluster import at_a_time, concurrency, uses_ray_train, wait_for_nodes
     from hpsearch.tune.study import make_tuner, restore_tuner
     from hpsearch.tune.trialruns import TrialRuns
 
@@ -273,15 +273,15 @@ def main(argv: list[str]) -> int:
         if state.get("system_metrics"):
             study.system_metrics = {"tracking_uri": parent.tracking_uri, "experiment_id": parent.experiment_id,
                                     "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
-        max_concurrent = concurrency(space, ray.cluster_resources())
-        print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {max_concurrent} at a time, "
+        limit, now = concurrency(space, ray.cluster_resources(), grows=bool(os.environ.get("RAY_ADDRESS")))
+        print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {at_a_time(limit, now)}, "
               f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
         if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
             # with the callbacks, searcher and scheduler it saved
             return restore_tuner(study, results_only=state.get("tune_loggers") == "results")
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
                                study.trial_config, study.outcome)
-        return make_tuner(study, [trial_runs], max_concurrent)
+        return make_tuner(study, [trial_runs], limit, now)
 
     code = _run_and_end(study, parent, tuner)
     # now, not in Ray's exit handler, which first waits 0.5 s for workers' output (a study's goes to Ray's logs)

@@ -132,10 +132,20 @@ def autoscaler_adds_nothing(before: float, status: dict | None, rounds: dict, ne
     return f"{len(rounds)} of its rounds since the request launched nothing"
 
 
-def concurrency(space: SearchSpace, cluster: dict[str, float]) -> int:
-    """Trials at once: `resources.max_concurrent`, else as many as the cluster's CPUs and GPUs fit (at least 1:
-    on an autoscaling cluster the first trial waits for its nodes)."""
+def concurrency(space: SearchSpace, cluster: dict[str, float], grows: bool = False) -> tuple[int | None, int]:
+    """(Tune's limit of trials at once, how many run at once now). `resources.max_concurrent` is both. Null: as many
+    as the cluster's CPUs and GPUs fit now (at least 1), which is also the limit unless the cluster `grows` (one Ray
+    was given, RAY_ADDRESS: it may autoscale). There, no limit: Tune keeps one trial pending beyond those that run
+    (its rule for a searcher that is no grid; a grid's trials all wait), and that trial's demand is what the
+    autoscaler adds nodes for; a limit set from the nodes up at the start kept a study on its first node however
+    large its cluster could grow. On a machine of its own a study keeps the limit, so the searcher suggests each
+    trial once the one before it has reported, not while it runs."""
     if space.resources.max_concurrent:
-        return space.resources.max_concurrent
-    fits = min(int(cluster.get(k, 0.0) / v + 1e-9) for k, v in trial_resources(space).items())
-    return max(1, fits)
+        return space.resources.max_concurrent, space.resources.max_concurrent
+    fits = max(1, min(int(cluster.get(k, 0.0) / v + 1e-9) for k, v in trial_resources(space).items()))
+    return (None if grows else fits), fits
+
+
+def at_a_time(limit: int | None, now: int) -> str:
+    """The console's words for `concurrency`'s answer."""
+    return f"{now} at a time" if limit else f"{now} at a time (as many as the cluster fits: more as nodes join)"

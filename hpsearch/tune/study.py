@@ -284,7 +284,9 @@ def early_stoppers(space: SearchSpace) -> str:
     return "ASHA or the time budget" if space.budget.time_budget_s else "ASHA"
 
 
-def make_tuner(study: Study, callbacks: list, max_concurrent: int):
+def make_tuner(study: Study, callbacks: list, max_concurrent: int | None, running: int):
+    """The study's Tuner: at most `max_concurrent` trials at once (None: as many as the cluster fits as it grows;
+    `running`: how many that is now, for the console's estimates)."""
     import ray.tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
@@ -301,7 +303,7 @@ def make_tuner(study: Study, callbacks: list, max_concurrent: int):
                                       num_samples=space.budget.trials, max_concurrent_trials=max_concurrent,
                                       trial_dirname_creator=trial_dirname,
                                       reuse_actors=study.reuses_actors)  # the next trial keeps the actor's imports
-    events = TrialEvents(space.budget.trials, space.config.train.max_steps, max_concurrent, study.outcome,
+    events = TrialEvents(space.budget.trials, space.config.train.max_steps, running, study.outcome,
                          stoppers=early_stoppers(space))
     # the console: our one line per trial event instead of Tune's status table (verbose=0)
     storage_path, storage_fs = study.storage.ray_path()
