@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -36,6 +37,19 @@ def unwritable(folder: str | Path) -> str | None:
             return None
     except OSError:
         return f"{existing} cannot be written"
+
+
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@\s:]*):(?P<secret>[^/@\s]+)@")
+_SECRET_QUERY = re.compile(r"(?P<key>\b(?:secret_key|session_token|password|passwd|token|access_token|"
+                           r"aws_secret_access_key)=)(?P<secret>[^&\s'\"]+)", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """`text` (a URL, a command line, a report) with the secrets of every URL in it replaced by `***`: a
+    password in the user part (`postgresql://user:***@host/db`, `s3://KEY:***@bucket`) and secret query values
+    (`?secret_key=***`). What is logged to MLflow or printed goes through this; the study's state file keeps the
+    whole URL, which `--resume` needs."""
+    return _SECRET_QUERY.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>\g<user>:***@", text))
 
 
 def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpsearch.cli import unwritable
+from hpsearch.cli import redacted, unwritable
 from hpsearch.errors import ConfigError, UserError
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -156,7 +156,7 @@ def ui_command(tracking_uri: str) -> str:
     if tracking_uri.startswith("sqlite:"):  # this interpreter's mlflow: works without the venv on PATH
         mlflow = f"{shlex.quote(sys.executable)} -m mlflow"
         return f"{mlflow} ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
-    return f"open {tracking_uri} in a browser"
+    return f"open {redacted(tracking_uri)} in a browser"
 
 
 def git_commit(cwd: str | Path = ".") -> str:
@@ -225,7 +225,7 @@ def _log_batches(client, run_id: str, metrics=(), params=()) -> None:
 def _log_text(client, run_id: str, text: str, name: str) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d, name)
-        path.write_text(text)
+        path.write_text(redacted(text))  # a command line or report may name a URL with its password
         client.log_artifact(run_id, str(path))
 
 
@@ -247,12 +247,13 @@ class StudyRun:
             experiment_name(study), tags=EXPERIMENT_TAGS)
         commit = git_commit()
         run = client.create_run(experiment_id, run_name=study, tags={
-            STUDY_TAG: study, ROLE_TAG: "study", "mlflow.source.git.commit": commit, "hpsearch.command": command,
+            STUDY_TAG: study, ROLE_TAG: "study", "mlflow.source.git.commit": commit,
+            "hpsearch.command": redacted(command),
             "mlflow.source.name": "python -m hpsearch.tune", "mlflow.note.content": description or study})
         self = cls(tracking_uri, experiment_id, run.info.run_id)
         from mlflow.entities import Param
         try:
-            _log_batches(client, self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+            _log_batches(client, self.run_id, params=[Param(k, redacted(str(v))[:6000]) for k, v in params.items()])
             _log_text(client, self.run_id, space_text, Path(space_path).name)
             _log_text(client, self.run_id, command + "\n", "command.txt")
         except BaseException:  # the run is not left RUNNING
@@ -289,7 +290,7 @@ class StudyRun:
             self.client.set_tag(self.run_id, key, value)
         with tempfile.TemporaryDirectory() as d:
             for name, text in files.items():
-                Path(d, name).write_text(text)
+                Path(d, name).write_text(redacted(text))
             self.client.log_artifacts(self.run_id, d, "report")
         if folder.is_dir() and any(folder.iterdir()):
             self.client.log_artifacts(self.run_id, str(folder), "report/plots")
@@ -348,10 +349,10 @@ class SingleRun:
         experiment_id = found.experiment_id if found else self.client.create_experiment(
             experiment_name(experiment), tags=EXPERIMENT_TAGS)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={
-            ROLE_TAG: experiment, "mlflow.source.git.commit": git_commit(), "hpsearch.command": command,
+            ROLE_TAG: experiment, "mlflow.source.git.commit": git_commit(), "hpsearch.command": redacted(command),
             "mlflow.source.name": command.split(" [")[0]}).info.run_id
         from mlflow.entities import Param
-        _log_batches(self.client, self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+        _log_batches(self.client, self.run_id, params=[Param(k, redacted(str(v))[:6000]) for k, v in params.items()])
 
     def callback(self):
         from ray.train import UserCallback

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -116,3 +117,36 @@ def test_an_mlflow_server_that_stopped_answering_is_told_from_mlflows_own_errors
         uri, server, text = seen[case]
         assert server == uri, (case, text)
     assert seen["no such run"][1] is None, seen["no such run"][2]
+
+
+def test_passwords_in_urls_are_never_logged_to_mlflow_nor_printed(tmp_path):
+    """A study's command line, parameters and report named its URLs whole: a PostgreSQL Optuna storage's password
+    and a bucket's secret key (`s3://KEY:SECRET@bucket`) reached MLflow (tag, params, command.txt, the report's
+    dashboard command). Every URL's password and secret query values are now `***` there and on the console."""
+    from mlflow import MlflowClient
+
+    from hpsearch.cli import redacted
+    from hpsearch.tracking import StudyRun, ui_command
+    from hpsearch.tune.optuna_store import dashboard_command
+
+    db, bucket = "postgresql://hpsearch:S3cretPassw0rd@db.internal:5432/optuna", "s3://AKIAX:wJalrXUtnFEMI@b/studies"
+    command = f"python -m hpsearch.tune --storage-path {bucket} --optuna-storage {db}"
+    assert redacted(command) == ("python -m hpsearch.tune --storage-path s3://AKIAX:***@b/studies --optuna-storage "
+                                 "postgresql://hpsearch:***@db.internal:5432/optuna")
+    assert redacted("s3://b/p?region=x&secret_key=abc&session_token=t") == \
+        "s3://b/p?region=x&secret_key=***&session_token=***"
+    assert redacted("sqlite:////tmp/m.db http://127.0.0.1:5000 https://user@host/") == \
+        "sqlite:////tmp/m.db http://127.0.0.1:5000 https://user@host/"  # nothing secret: unchanged
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    study = StudyRun.create(uri, "s", space_path="space.yaml", space_text="name: s\n", command=command,
+                            params={"optuna_storage": db, "trials": 2})
+    study.log_report({}, {}, {"summary.txt": f"open the dashboard: optuna-dashboard {db}\n"}, tmp_path / "none")
+    client = MlflowClient(uri)
+    run = client.get_run(study.run_id)
+    logged = [run.data.tags["hpsearch.command"], *run.data.params.values()]
+    for artifact in ("command.txt", "report/summary.txt"):
+        logged.append(Path(client.download_artifacts(study.run_id, artifact, str(tmp_path))).read_text())
+    assert len(logged) == 5 and all("***" in text for text in logged[:2] + logged[3:]), logged
+    assert not any(secret in text for text in logged for secret in ("S3cretPassw0rd", "wJalrXUtnFEMI")), logged
+    shown = dashboard_command(db) + ui_command("http://u:pw@mlflow.internal:5000")
+    assert "S3cretPassw0rd" not in shown and "pw@" not in shown and "hpsearch:***@" in shown

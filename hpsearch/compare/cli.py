@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpsearch.cli import Parser
+from hpsearch.cli import Parser, redacted
 from hpsearch.errors import ConfigError
 
 DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "search_spaces" / "compare-synthetic.yaml"
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
         n = len(spec.entries()) * len(spec.seeds)
         print(f"[hpsearch.compare] comparison '{comparison.name}': {len(spec.entries())} configurations x "
               f"{len(spec.seeds)} seeds = {n} trials, {at_a_time(limit, now)}, state in {comparison.dir}, MLflow "
-              f"{parent.tracking_uri} (run {parent.run_id})", flush=True)
+              f"{redacted(parent.tracking_uri)} (run {parent.run_id})", flush=True)
         callbacks = [ComparisonRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, comparison)]
         tuner = make_tuner(comparison, callbacks, limit, now)
         code = _run(comparison, parent, tuner, sizes, tasks, notes)
@@ -197,7 +197,7 @@ def _report(comparison, parent, result_grid, elapsed, sizes, tasks, notes) -> in
         except Exception as e:  # a plot that cannot be drawn must not lose the table
             table.notes.append(f"plot {file}: not drawn ({type(e).__name__}: {e})")
     text = tables.markdown(table)
-    ui = (f"MLflow: {parent.tracking_uri}, comparison run {parent.run_id}; open the UI: "
+    ui = (f"MLflow: {redacted(parent.tracking_uri)}, comparison run {parent.run_id}; open the UI: "
           f"{ui_command(parent.tracking_uri)}")
     summary = (f"{text}\n{len(trials)} trials in {elapsed / 60:.1f} min; report in {report_dir}\n"
                f"Plots: {', '.join(str(p) for p in sorted(plot_dir.glob('*.png')))}\n{ui}\n")

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpsearch.cli import Parser
+from hpsearch.cli import Parser, redacted
 from hpsearch.config import absolute_paths, read_yaml
 from hpsearch.errors import ConfigError, UserError
 from hpsearch.tune.spacefile import load_space
@@ -82,7 +82,8 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
             raise ConfigError(f"--resume: overrides {overrides} differ from the study's {state['overrides']}; drop "
                               "them (the study keeps its own) or start a new --name")
         if uri and uri != state["tracking_uri"]:
-            raise ConfigError(f"--tracking-uri: the study tracks to {state['tracking_uri']}; drop --tracking-uri")
+            raise ConfigError(f"--tracking-uri: the study tracks to {redacted(state['tracking_uri'])}; drop "
+                              "--tracking-uri")
         resolve_tracking_uri(state["tracking_uri"])  # still reachable and writable
         if optuna_url and optuna_url != state.get("optuna_storage"):
             raise ConfigError(f"--optuna-storage: the study records to {state.get('optuna_storage') or 'memory'}; "
@@ -275,7 +276,7 @@ def main(argv: list[str]) -> int:
                                     "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
         limit, now = concurrency(space, ray.cluster_resources(), grows=bool(os.environ.get("RAY_ADDRESS")))
         print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {at_a_time(limit, now)}, "
-              f"state in {study.dir}, MLflow {parent.tracking_uri} (run {parent.run_id})", flush=True)
+              f"state in {study.dir}, MLflow {redacted(parent.tracking_uri)} (run {parent.run_id})", flush=True)
         if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
             # with the callbacks, searcher and scheduler it saved
             return restore_tuner(study, results_only=state.get("tune_loggers") == "results")
@@ -300,7 +301,7 @@ def _already_finished(study: Study, state: dict) -> int:
         StudyRun.existing(state["tracking_uri"], state["parent_run_id"])[0].finish(done["status"], over=True)
         study.update_state(finished={**done, "ended": True})
     print(f"[hpsearch.tune] study '{study.name}' already finished ({done['outcome']}): nothing to resume; its "
-          f"report is in MLflow {state['tracking_uri']}, run {state['parent_run_id']} (report/summary.txt); "
+          f"report is in MLflow {redacted(state['tracking_uri'])}, run {state['parent_run_id']} (report/summary.txt); "
           f"open the UI: {ui_command(state['tracking_uri'])}", flush=True)
     return done["code"]
 
@@ -359,7 +360,8 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
     shutil.rmtree(report_dir, ignore_errors=True)
     report = reporting.build(study, result_grid, report_dir / "plots")
     freed, kept = study.prune()  # the study is over: no resume will need its checkpoints
-    ui = f"MLflow: {parent.tracking_uri}, study run {parent.run_id}; open the UI: {ui_command(parent.tracking_uri)}"
+    ui = (f"MLflow: {redacted(parent.tracking_uri)}, study run {parent.run_id}; open the UI: "
+          f"{ui_command(parent.tracking_uri)}")
     if study.optuna_storage:
         from hpsearch.tune.optuna_store import dashboard_command
         ui = (f"Optuna: study '{study.name}' in {study.optuna_storage}; open the dashboard: "
@@ -385,8 +387,8 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
 
 
 def _resume_command(study: Study) -> str:
-    return shlex.join(["python", "-m", "hpsearch.tune", "--name", study.name, "--storage-path",
-                       str(study.storage_path), "--resume"])
+    return redacted(shlex.join(["python", "-m", "hpsearch.tune", "--name", study.name, "--storage-path",
+                                str(study.storage_path), "--resume"]))
 
 
 def _no_space(study: Study, resume: bool) -> UserError:

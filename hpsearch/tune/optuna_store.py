@@ -104,5 +104,7 @@ def fail_lost_trials(url: str, study_name: str, say=print) -> int:
 
 def dashboard_command(url: str) -> str:
     """The command that serves this storage on 127.0.0.1 (the `dashboard` extra installs optuna-dashboard)."""
+    from hpsearch.cli import redacted
+
     exe = Path(sys.executable).parent / "optuna-dashboard"
-    return f"{exe if exe.is_file() else 'optuna-dashboard'} {url} --host 127.0.0.1 --port 8080"
+    return f"{exe if exe.is_file() else 'optuna-dashboard'} {redacted(url)} --host 127.0.0.1 --port 8080"
