@@ -765,7 +765,7 @@ def test_step_time_leaves_out_the_runs_first_step(tmp_path):
     assert history[0]["step_time"] < 0.25 and history[1]["step_time"] < 0.25, history
 
 
-def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
+def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch, tmp_path):
     """Ray Train's worker group needs the dashboard (its State API), so `init_ray(dashboard=True)` starts it on
     loopback and hands its address to every actor; without it, neither (a study whose trials never start a Train
     worker group)."""
@@ -778,6 +778,7 @@ def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
     calls = []
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))  # not this user's own
     monkeypatch.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "1")  # init_ray's own changes, undone after
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
     cfg = load_config(None, [])
@@ -789,6 +790,28 @@ def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch):
     assert off["include_dashboard"] is False and "dashboard_port" not in off and "dashboard_host" not in off
     assert "RAY_API_SERVER_ADDRESS" not in off["runtime_env"]["env_vars"]
     assert on["_node_ip_address"] == off["_node_ip_address"] == "127.0.0.1"  # every service on loopback either way
+
+
+@pytest.mark.slow
+def test_a_private_rays_token_is_readable_by_this_user_alone(tmp_path):
+    """A local `ray.init` turns token authentication on and wrote `~/.ray/auth_token` readable by every user of the
+    machine (mode 0644), who could then use this Ray's services (run code as this user). A private Ray's token is
+    now created 0600 before Ray starts, and an existing one made 0600, kept as it was (Ray authenticates with it:
+    the run starts)."""
+    code = ("from hpsearch.config import load_config\nfrom hpsearch.train.launch import init_ray\nimport ray\n"
+            "init_ray(load_config(None, []), dashboard=False)\n"
+            "print('tasks', ray.get(ray.remote(lambda: 1).remote()))\nray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    token = tmp_path / ".ray" / "auth_token"
+    for existing in (None, "0123456789abcdef" * 4):
+        if existing:
+            token.write_text(existing)
+            token.chmod(0o644)
+        run = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0 and "tasks 1" in run.stdout, run.stderr[-3000:]
+        assert token.stat().st_mode & 0o777 == 0o600, oct(token.stat().st_mode)
+        assert len(token.read_text()) >= 32 and (existing is None or token.read_text() == existing)
 
 
 def test_the_torch_backend_config_says_what_ray_trains_own_says():

@@ -52,6 +52,32 @@ PRIVATE_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 PRIVATE_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
+def keep_token_private() -> Path | None:
+    """The Ray token a private local Ray authenticates with, readable by this user alone; returns its file. A local
+    `ray.init` turns token authentication on and, without a token, writes `~/.ray/auth_token` with the default
+    umask (readable by every user of the machine, who could then reach this Ray's services and run code as this
+    user). The token is created here first with mode 0600, or an existing one of this user's is made 0600. Nothing
+    when the token comes from RAY_AUTH_TOKEN or authentication is off."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return None
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        if path.exists():
+            if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+                path.chmod(0o600)
+            return path
+        from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(generate_new_authentication_token())
+    except FileExistsError:  # another process made it meanwhile (with this function: private)
+        pass
+    except OSError as e:  # e.g. a read-only home: Ray then says what it cannot do
+        logging.getLogger(__name__).warning("could not make the Ray token %s private: %s", path, e)
+    return path
+
+
 def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True) -> None:
     """Join the cluster named by RAY_ADDRESS (set for a job by `ray job submit`), else start a private local Ray
     (never another Ray found on this machine), with its dashboard on 127.0.0.1 when `dashboard`.
@@ -82,6 +108,7 @@ def init_ray(cfg: RunConfig, log_to_driver: bool = True, dashboard: bool = True)
 
     os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+    keep_token_private()
     # Nothing on one machine can be preempted, so Ray Train's preemption watcher (an actor process per run, started
     # while the workers import) only competes with them for the cores. Nor is Ray's first-driver prestart of a Python
     # worker per CPU any use here: Ray Train's and Tune's actors never took one (with or without a runtime
