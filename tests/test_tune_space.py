@@ -916,6 +916,13 @@ def test_resume_keeps_the_studys_own_space_and_overrides_and_a_recorded_optuna_s
                                         r"study of that name; choose another --name or --optuna-storage$"):
         prepare(parse_args([*args, "--name", "taken"]))
     assert not (tmp_path / "runs" / "taken").exists()  # nothing claimed
+    # a URL with a query string names the same file (its path alone was tested, and the study appended to)
+    with_query = f"{optuna_store.default_url(uri, tmp_path / 'runs')}?timeout=60"
+    assert optuna_store.recorded_studies(with_query) == {"taken"}
+    with pytest.raises(UserError, match=r"^--name taken: the Optuna storage sqlite:///.*optuna.db\?timeout=60 already"):
+        prepare(parse_args([*args, "--name", "taken", "--optuna-storage", with_query]))
+    assert optuna_store.open_storage(with_query).get_all_studies()[0].study_name == "taken"
+    assert sorted(p.name for p in tmp_path.glob("optuna.db*")) == ["optuna.db", "optuna.db.lock"]  # not "…=60.lock"
 
 
 def test_ashas_rungs_are_restored_with_the_searcher_on_resume(tmp_path):

@@ -33,15 +33,21 @@ def resolve_url(url: str) -> str:
     return url
 
 
-def missing_sqlite_file(url: str | None) -> str | None:
-    """The database file of a sqlite URL when it does not exist (its path as SQLAlchemy reads it: a query string
-    such as ?timeout=30 is no part of it), else None."""
+def sqlite_file(url: str | None) -> Path | None:
+    """The database file of a sqlite URL as SQLAlchemy reads it (a query string such as ?timeout=30 is no part of
+    it); None for another database or an in-memory one."""
     if not url or not url.startswith("sqlite:"):
         return None
     from sqlalchemy.engine import make_url
 
     database = make_url(url).database
-    return database if database and not Path(database).is_file() else None
+    return Path(database) if database and database != ":memory:" else None
+
+
+def missing_sqlite_file(url: str | None) -> str | None:
+    """The database file of a sqlite URL when it does not exist, else None."""
+    path = sqlite_file(url)
+    return str(path) if path is not None and not path.is_file() else None
 
 
 def open_storage(url: str):
@@ -54,12 +60,11 @@ def open_storage(url: str):
     for name in ("alembic", "optuna"):
         logging.getLogger(name).setLevel(logging.WARNING)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sqlite = url.startswith("sqlite:///")
+    path = sqlite_file(url)
     try:
-        if sqlite:
+        if path is not None:
             import fcntl
 
-            path = Path(url.removeprefix("sqlite:///"))
             if not path.parent.is_dir():
                 raise OSError(f"folder {path.parent} does not exist")
             with open(f"{path}.lock", "w") as lock:
@@ -78,7 +83,7 @@ def open_storage(url: str):
 
 def recorded_studies(url: str) -> set[str]:
     """The study names the storage holds (a sqlite file that does not exist yet holds none and is not created)."""
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+    if missing_sqlite_file(url):
         return set()
     return {s.study_name for s in open_storage(url).get_all_studies()}
 
