@@ -326,8 +326,24 @@ def find_trial_run(uri: str, experiment_id: str, parent_run_id: str, trial_id: s
 
 def system_metrics_monitor(uri: str, run_id: str, interval: float, node_id: str | None = None):
     """MLflow's own system-metrics sampler for `run_id` (metrics `system/...`, or `system/<node_id>/...`),
-    started; call `.finish()` at the end."""
+    started; call `.finish()` at the end. None, said in one line, when this node cannot reach the store (the
+    study's `http://127.0.0.1:5000` seen from another node of a cluster, or a sqlite file on the head alone):
+    MLflow's sampler failed silently there and held the run's end for minutes while it retried."""
     import logging
+
+    why = None
+    if uri.startswith(("http://", "https://")):
+        try:
+            check_server(uri, timeout=3.0)
+        except ConfigError as e:
+            why = str(e)
+    elif uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        why = f"{uri}: no such file on this node"
+    if why:
+        print(f"[hpsearch.train] system metrics of {node_id or 'this node'} are not recorded: the MLflow store "
+              f"cannot be reached from it ({redacted(why)}); give the study a tracking URI every node reaches",
+              flush=True)
+        return None
 
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # "Started monitoring system metrics"

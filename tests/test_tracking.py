@@ -150,3 +150,27 @@ def test_passwords_in_urls_are_never_logged_to_mlflow_nor_printed(tmp_path):
     assert not any(secret in text for text in logged for secret in ("S3cretPassw0rd", "wJalrXUtnFEMI")), logged
     shown = dashboard_command(db) + ui_command("http://u:pw@mlflow.internal:5000")
     assert "S3cretPassw0rd" not in shown and "pw@" not in shown and "hpsearch:***@" in shown
+
+
+def test_a_node_that_cannot_reach_the_store_records_no_system_metrics_and_says_so(tmp_path, capsys):
+    """On a cluster, a trial's ranks on other nodes sampled system metrics into the study's MLflow store; the
+    clusters' `http://127.0.0.1:5000` is the head's alone, and MLflow's sampler failed silently there, holding the
+    trial's end for minutes as it retried. Such a node now says so in one line and samples nothing; a store it
+    reaches gets the samples."""
+    import time
+
+    from hpsearch.tracking import StudyRun, system_metrics_monitor
+
+    started = time.monotonic()
+    assert system_metrics_monitor("http://127.0.0.1:9", "run", 1.0, node_id="node_1") is None
+    assert system_metrics_monitor(f"sqlite:///{tmp_path}/elsewhere.db", "run", 1.0) is None
+    assert time.monotonic() - started < 30
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and all("are not recorded: the MLflow store cannot be reached" in line for line in said)
+    assert "system metrics of node_1" in said[0] and "no such file on this node" in said[1]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = StudyRun.create(uri, "s", space_path="space.yaml", space_text="x\n", command="c", params={})
+    monitor = system_metrics_monitor(uri, run.run_id, 0.5)
+    time.sleep(1.5)
+    monitor.finish()
+    assert any(k.startswith("system/") for k in MlflowClient(uri).get_run(run.run_id).data.metrics)
