@@ -263,3 +263,42 @@ def test_a_missing_bucket_is_one_line_before_anything_starts(s3, tmp_path):
     assert "--storage-path s3://no-such-bucket/studies: cannot write there (the bucket no-such-bucket does not " \
            "exist)" in err
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "optuna.db").exists()
+
+
+def test_a_trials_exports_in_the_bucket_reach_its_mlflow_run_from_another_machine(s3, tmp_path, monkeypatch):
+    """With a bucket, a trial's rank 0 on another node writes its exports to that node's mirror and the bucket;
+    the driver logged `task_params/` from its own mirror, where they are not, and skipped them without a word. It
+    now fetches them from the bucket first."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from hpsearch.config import load_config
+    from hpsearch.tracking import StudyRun
+    from hpsearch.tune.storage import open_storage
+    from hpsearch.tune.trialruns import TrialRuns
+
+    monkeypatch.setenv("HPSEARCH_STORAGE_CACHE", str(tmp_path / "node"))
+    node = open_storage(f"s3://{BUCKET}/exports")  # the GPU node's mirror: the exports written there, then pushed
+    (node.study_dir("s") / "trials" / "t1" / "task_params").mkdir(parents=True)
+    (node.study_dir("s") / "trials" / "t1" / "task_params" / "task_params.safetensors").write_bytes(b"w" * 12)
+    node.push("s", "trials")
+    monkeypatch.setenv("HPSEARCH_STORAGE_CACHE", str(tmp_path / "head"))
+    head = open_storage(f"s3://{BUCKET}/exports")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    parent = StudyRun.create(uri, "s", space_path="space.yaml", space_text="x\n", command="c", params={})
+
+    def trial_config(config, trial_id):
+        cfg = load_config(None, [])
+        cfg.train.output_dir = str(head.study_dir("s") / "trials" / trial_id)
+        return cfg
+
+    runs = TrialRuns(uri, parent.experiment_id, parent.run_id, "s", trial_config, lambda last, failed: "complete",
+                     storage=head)
+    trial = SimpleNamespace(trial_id="t1", config={}, last_result={"step": 1}, error_file=None, evaluated_params={})
+    runs.log_trial_start(trial)
+    runs.log_trial_end(trial)
+    client = MlflowClient(uri)
+    (child,) = [r for r in client.search_runs([parent.experiment_id]) if r.info.run_id != parent.run_id]
+    assert [a.path for a in client.list_artifacts(child.info.run_id, "task_params")] == \
+        ["task_params/task_params.safetensors"]

@@ -155,7 +155,7 @@ class ComparisonRuns(TrialRuns):
 
     def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, comparison: Comparison):
         super().__init__(tracking_uri, experiment_id, parent_run_id, comparison.name, comparison.trial_config,
-                         comparison.outcome)
+                         comparison.outcome, storage=comparison.storage)
         self.methods = {m.label: m.method for m in comparison.spec.entries()}
 
     def _create(self, trial):

@@ -281,7 +281,7 @@ def main(argv: list[str]) -> int:
             # with the callbacks, searcher and scheduler it saved
             return restore_tuner(study, results_only=state.get("tune_loggers") == "results")
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
-                               study.trial_config, study.outcome)
+                               study.trial_config, study.outcome, storage=study.storage)
         return make_tuner(study, [trial_runs], limit, now)
 
     code = _run_and_end(study, parent, tuner)

@@ -32,9 +32,10 @@ class TrialRuns(LoggerCallback):
     ended (complete, stopped, failed)."""
 
     def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, study: str,
-                 trial_config: Callable, outcome: Callable[[dict, bool], str]):
+                 trial_config: Callable, outcome: Callable[[dict, bool], str], storage=None):
         self.tracking_uri, self.experiment_id, self.parent_run_id, self.study = (
             tracking_uri, experiment_id, parent_run_id, study)
+        self.storage = storage  # the study's Storage: with a bucket, a trial's exports come from there
         self.trial_config, self.outcome = trial_config, outcome
         self._runs: dict[str, str] = {}        # trial id -> run id
         self._last: dict[str, tuple] = {}      # trial id -> (last logged step, final metrics logged)
@@ -102,6 +103,8 @@ class TrialRuns(LoggerCallback):
             error = Path(trial.error_file).read_text().strip().splitlines()
             self.client.set_tag(run_id, "hpsearch.error", (error[-1] if error else "")[:5000])
         exports = Path(self.trial_config(trial.config, trial.trial_id).train.output_dir, "task_params")
+        if not failed and self.storage is not None and self.storage.remote:  # written on the node of its rank 0
+            self.storage.pull(self.study, f"trials/{trial.trial_id}/task_params")
         if not failed and exports.is_dir():
             self.client.log_artifacts(run_id, str(exports), "task_params")
         self.client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
