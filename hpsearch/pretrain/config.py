@@ -49,7 +49,7 @@ class CorpusConfig:
     mean_span_length: float = 3.0   # mean length of a dropped span (T5: 3)
     targets: str = "full"           # full: the whole original piece; spans: each sentinel and the tokens it hid (T5)
     max_length: int = 128           # tokens of a piece before corruption, eos included
-    heldout_chunks: int = 64        # the corpus's last pieces, never trained on: the held-out loss and accuracy
+    heldout_chunks: int = 64        # pieces of whole held-out texts, never trained on: the held-out loss and accuracy
     sentinels: int = 100            # <extra_id_0> ... added to the tokenizer
 
     def validate(self) -> None:

@@ -9,9 +9,10 @@
 - No path: the source texts of the suite's **training** split (`data.*`, after the split protocol, so rows the
   protocol holds out for validation are not read either); never a label, never a validation or test row.
 
-`Chunks` tokenizes the texts once, concatenates them (T5 packs its corpus the same way) and cuts the stream into
-pieces of `corpus.max_length - 1` tokens; the last `corpus.heldout_chunks` pieces are held out to measure the
-objective on text the model has not trained on.
+`Chunks` tokenizes the texts once, holds out whole texts (seeded, from across the corpus) for
+`corpus.heldout_chunks` pieces, leaves out of training every text that shares a 13-token run with them, and
+concatenates each part (T5 packs its corpus the same way) into pieces of `corpus.max_length - 1` tokens: the held-out
+objective is measured on text the model has not trained on.
 """
 from __future__ import annotations
 
@@ -49,10 +50,13 @@ def read_folder(root: Path, text_field: str = "text") -> list[str]:
 
 def _read_file(path: Path, text_field: str) -> Iterator[str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # lines end at \n alone: str.splitlines() also breaks at U+2028, \x0c and others, which a JSON string may
+        # hold raw (a valid row was refused, and every later line number was off)
+        lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text; save it as UTF-8") from None
     for number, line in enumerate(lines, 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         if path.suffix == ".txt":
@@ -94,19 +98,60 @@ def describe_corpus(corpus, data) -> str:
     return f"training inputs of {data.source} ({', '.join(resolve_tasks(data))})"
 
 
-class Chunks:
-    """The corpus as token pieces of `length` ids (eos not included): `train` and `heldout` lists."""
+OVERLAP_NGRAM = 13  # a training text sharing a run of this many tokens with a held-out text is dropped (GPT-3's test)
 
-    def __init__(self, texts: list[str], tokenizer, length: int, heldout: int):
-        ids: list[int] = []
+
+class Chunks:
+    """The corpus as token pieces of `length` ids (eos not included): `train` and `heldout` lists.
+
+    Held out: whole texts, drawn in a seeded order from across the corpus until their tokens fill `heldout` pieces;
+    every training text that shares a run of `OVERLAP_NGRAM` tokens with one of them is left out of training (the
+    same text again, or one built on the same passage: WSC repeats each passage with other spans), so the held-out
+    loss is measured on text the model never trained on. (The corpus's last pieces, held out before, were WSC's
+    last training rows, most of whose passages the training pieces held too.) The training texts and the held-out
+    ones are each concatenated and cut into pieces, as T5 packs its corpus. `dropped`: the training texts left out."""
+
+    def __init__(self, texts: list[str], tokenizer, length: int, heldout: int, seed: int = 0):
+        import numpy as np
+
+        rows: list[list[int]] = []
         for start in range(0, len(texts), 4096):  # the fast tokenizer in batches, no special tokens
-            for row in tokenizer(texts[start:start + 4096], add_special_tokens=False)["input_ids"]:
-                ids.extend(row)
-        pieces = [ids[k:k + length] for k in range(0, len(ids), length)]
-        if pieces and len(pieces[-1]) < 2:
-            pieces.pop()
-        if len(pieces) <= heldout:
-            raise DataError(f"the corpus makes {len(pieces)} pieces of {length} tokens, not more than the "
-                            f"{heldout} held out (corpus.heldout_chunks); give more text or hold out fewer")
-        self.train, self.heldout = pieces[:len(pieces) - heldout], pieces[len(pieces) - heldout:]
-        self.tokens = len(ids)
+            rows.extend(tokenizer(texts[start:start + 4096], add_special_tokens=False)["input_ids"])
+        self.tokens = sum(map(len, rows))
+        want, held, chosen = heldout * length, 0, set()
+        for i in np.random.default_rng([seed, 3]).permutation(len(rows)):
+            if held >= want:
+                break
+            if rows[i] and texts[i] not in chosen:
+                chosen.add(texts[i])
+                held += len(rows[i])
+        grams = {tuple(row[k:k + OVERLAP_NGRAM]) for row, text in zip(rows, texts) if text in chosen
+                 for k in range(max(1, len(row) - OVERLAP_NGRAM + 1))}
+        n = OVERLAP_NGRAM
+
+        def overlaps(row: list[int]) -> bool:
+            return any(tuple(row[k:k + n]) in grams for k in range(max(1, len(row) - n + 1)))
+
+        held_rows, train_rows, self.dropped = [], [], 0
+        for row, text in zip(rows, texts):
+            if text in chosen:
+                held_rows.append(row)
+                chosen.discard(text)  # its first copy; another is left out below (it overlaps)
+            elif overlaps(row):
+                self.dropped += 1
+            else:
+                train_rows.append(row)
+        self.train, self.heldout = _pieces(train_rows, length), _pieces(held_rows, length)[:heldout]
+        if len(self.heldout) < heldout or not self.train:
+            raise DataError(f"the corpus makes {len(self.train) + len(self.heldout)} pieces of {length} tokens, not "
+                            f"more than the {heldout} held out (corpus.heldout_chunks); give more text or hold out "
+                            "fewer")
+
+
+def _pieces(rows: list[list[int]], length: int) -> list[list[int]]:
+    """The rows concatenated and cut into pieces of `length` ids (a last piece under 2 ids is left out)."""
+    ids = [i for row in rows for i in row]
+    pieces = [ids[k:k + length] for k in range(0, len(ids), length)]
+    if pieces and len(pieces[-1]) < 2:
+        pieces.pop()
+    return pieces

@@ -60,7 +60,7 @@ class SpanCorruption:
         self.tokenizer = corpus_tokenizer(texts, self.model.t5.config.vocab_size, corpus, cfg.data.cache_dir)
         self.sentinels = self.tokenizer.convert_tokens_to_ids(sentinel_tokens(corpus.sentinels))
         self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        self.chunks = Chunks(texts, self.tokenizer, corpus.max_length - 1, corpus.heldout_chunks)
+        self.chunks = Chunks(texts, self.tokenizer, corpus.max_length - 1, corpus.heldout_chunks, cfg.data.seed)
         self.sampler = MultiTaskSampler([len(self.chunks.train)], cfg.train.micro_batch_size, 1.0, "task",
                                         cfg.data.seed, rank, world)
         heldout_rng = lambda k: np.random.default_rng([cfg.data.seed, 2, k])
