@@ -230,6 +230,31 @@ def test_the_default_corpus_is_the_training_inputs_only():
         assert describe_corpus(CorpusConfig(path="texts/"), every) == "texts/"
 
 
+def test_a_backbone_pretrained_on_the_suite_is_fine_tuned_with_the_seed_it_was_split_with(tmp_path):
+    """The split protocol draws a large task's validation rows from its train file with `data.data_seed`: a
+    backbone pretrained on the suite's training inputs at one seed has trained on most of the validation rows of
+    another seed's split (SST-2: all but a few of its 1,000 here). Fine-tuning it with another seed is one line."""
+    from hpsearch.data import DataConfig, load_suite
+    from hpsearch.pretrain.corpus import check_backbone_corpus
+
+    if GLUE.is_dir():  # the leak itself, on the real rows
+        corpus = set(suite_texts(load_suite(DataConfig(source=str(GLUE), tasks=["sst2"], data_seed=42))))
+        seen = lambda seed: sum(e.source in corpus for e in load_suite(
+            DataConfig(source=str(GLUE), tasks=["sst2"], data_seed=seed)).split("sst2", "validation"))
+        assert seen(7) > 900 and seen(42) < 50, (seen(7), seen(42))
+    backbone = tmp_path / "backbone"
+    backbone.mkdir()
+    (backbone / "pretrain.json").write_text(json.dumps({"data_source": str(GLUE), "data_seed": 42}))
+    with pytest.raises(ConfigError, match=rf"model.backbone {backbone}: pretrained on the training inputs of .*glue "
+                                          r"split with data.data_seed=42; with data.data_seed=7 .* set "
+                                          r"data.data_seed=42$"):
+        check_backbone_corpus(str(backbone), DataConfig(source=str(GLUE), data_seed=7))
+    check_backbone_corpus(str(backbone), DataConfig(source=str(GLUE), data_seed=42))  # the same split
+    check_backbone_corpus(str(backbone), DataConfig(source="synthetic", data_seed=7))  # other rows altogether
+    (backbone / "pretrain.json").write_text(json.dumps({"data_source": None, "data_seed": 42}))  # corpus.path
+    check_backbone_corpus(str(backbone), DataConfig(source=str(GLUE), data_seed=7))
+
+
 # ---- runs ----------------------------------------------------------------------------------------------------------
 def heldout_loss_of(backbone: Path, objective) -> float:
     """The held-out loss of an exported backbone (the objective's corrupted inputs and targets), computed with stock

@@ -80,7 +80,7 @@ def _check(cfg, corpus, resume_from, local: bool) -> None:
         tokenizer = corpus_tokenizer(texts, vocab, corpus, cfg.data.cache_dir)
     except ValueError as e:
         raise UserError(f"model.vocab_size: {e}") from None
-    chunks = Chunks(texts, tokenizer, corpus.max_length - 1, corpus.heldout_chunks)
+    chunks = Chunks(texts, tokenizer, corpus.max_length - 1, corpus.heldout_chunks, cfg.data.seed)
     if resume_from:
         from hpsearch.train import checkpoints
         checkpoints.check_resume_dir(resume_from, {**cfg.to_dict(), "corpus": dataclasses.asdict(corpus)},

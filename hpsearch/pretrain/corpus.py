@@ -101,6 +101,29 @@ def describe_corpus(corpus, data) -> str:
 OVERLAP_NGRAM = 13  # a training text sharing a run of this many tokens with a held-out text is dropped (GPT-3's test)
 
 
+def check_backbone_corpus(backbone: str, data) -> None:
+    """Before fine-tuning on `data` (DataConfig): a backbone this library pretrained on the training inputs of the
+    same source must have been split with the same `data.data_seed`. The split protocol draws a large task's
+    validation rows from its train file with that seed: with another, most of them (988 of SST-2's 1,000 here) were
+    training text of the backbone, and the fine-tuned scores measured text it had seen. One line, reading one file."""
+    info = Path(str(backbone)).expanduser() / "pretrain.json"
+    if not info.is_file():
+        return
+    try:
+        made = json.loads(info.read_text())
+    except (OSError, ValueError):
+        return  # not ours to judge: the backbone's own check reads the checkpoint
+    source, seed = made.get("data_source"), made.get("data_seed")
+    if source is None or seed is None or data.source in ("synthetic",):
+        return
+    folder = lambda text: Path(text).expanduser().resolve()
+    same = source == data.source or ("hub" not in (source, data.source) and folder(source) == folder(data.source))
+    if same and seed != data.data_seed:
+        raise ConfigError(f"model.backbone {backbone}: pretrained on the training inputs of {source} split with "
+                          f"data.data_seed={seed}; with data.data_seed={data.data_seed} the validation rows drawn "
+                          f"from the same train files would be text it trained on: set data.data_seed={seed}")
+
+
 class Chunks:
     """The corpus as token pieces of `length` ids (eos not included): `train` and `heldout` lists.
 

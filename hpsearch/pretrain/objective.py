@@ -134,7 +134,8 @@ class SpanCorruption:
                 "corpus_tokens": self.chunks.tokens, "step": best["step"], "heldout_accuracy": best["score"],
                 "noise_density": self.corpus.noise_density, "mean_span_length": self.corpus.mean_span_length,
                 "targets": self.corpus.targets,
-                "data_seed": self.cfg.data.data_seed}, indent=1) + "\n")
+                "data_seed": self.cfg.data.data_seed,
+                "data_source": None if self.corpus.path else self.cfg.data.source}, indent=1) + "\n")
             shutil.rmtree(target, ignore_errors=True)
             os.replace(partial, target)
 

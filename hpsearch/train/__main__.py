@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
     if not any(load_suite(cfg.data).sizes("train")):  # data mistakes fail here, before any worker starts
         raise UserError(f"data.tasks: no task has training rows in {cfg.data.source}")
     from hpsearch.model import check_local_backbone
+    from hpsearch.pretrain.corpus import check_backbone_corpus
     check_local_backbone(cfg.model.backbone)
+    check_backbone_corpus(cfg.model.backbone, cfg.data)
     one_rank = args.local and cfg.train.num_workers != 1
     if one_rank:  # what the run is (a resume is checked against it); said once the checks passed
         cfg.train.num_workers = 1

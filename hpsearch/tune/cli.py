@@ -201,9 +201,12 @@ def _check_data(cfg) -> None:
 
 
 def _check_backbone(cfg) -> None:
-    """A local backbone folder must be a checkpoint (a hub id is left to the trials: it downloads)."""
+    """A local backbone folder must be a checkpoint (a hub id is left to the trials: it downloads), and one this
+    library pretrained must not have trained on the rows this suite validates on."""
     from hpsearch.model import check_local_backbone
+    from hpsearch.pretrain.corpus import check_backbone_corpus
     check_local_backbone(cfg.model.backbone)
+    check_backbone_corpus(cfg.model.backbone, cfg.data)
 
 
 def _check_fits(space) -> None:
