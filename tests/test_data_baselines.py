@@ -34,3 +34,16 @@ def test_regression_majority_is_the_mean_and_scores_zero_correlation():
     s = suite({"stsb": {"train": ex([1.0, 2.0, 4.0]), "validation": ex([0.0, 2.5, 5.0])}})
     table = baselines(s, "validation")
     assert table["stsb"]["majority"] == 0.0  # a constant has no correlation (defined as 0 here)
+
+
+def test_a_task_without_training_labels_has_no_majority():
+    """An evaluation-only task (BoolQ, WiC, QNLI in the shared folder have no train file) had class 0 for its
+    "majority": BoolQ's 38.3 where always answering its commoner class scores 61.7. Without a training label there is
+    no majority class: NaN, and NaN for the suite's (the model's suite score averages every task); chance stays."""
+    import math
+
+    s = suite({"rte": {"train": ex([0, 0, 1]), "validation": ex([0, 1, 1, 1])},
+               "boolq": {"train": [], "validation": ex([1, 1, 1, 0])}})
+    table = baselines(s, "validation")
+    assert math.isnan(table["boolq"]["majority"]) and math.isnan(table["suite"]["majority"])
+    assert table["rte"]["majority"] == pytest.approx(25.0) and 0 < table["boolq"]["chance"] < 100

@@ -3,12 +3,14 @@ guessing at random scores, with the same metrics as the model (`score_task`).
 
     baselines(suite, "validation") -> {"rte": {"majority": 52.7, "chance": 49.8, "rows": 138}, ...}
 
-Majority: the most frequent training label (regression: the mean training label, on the task's grid). Chance: the
+Majority: the most frequent training label (regression: the mean training label, on the task's grid); NaN for a
+task without training labels, and then for the suite (its score averages every task). Chance: the
 mean score of `CHANCE_DRAWS` seeded uniform draws over the labels (regression: over the label range). A model that
 does not beat the majority has learnt nothing a constant would not.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -21,11 +23,12 @@ CHANCE_DRAWS = 20
 def task_baselines(task: str, train, rows) -> dict[str, float]:
     spec = get_task(task)
     labels = [e.label for e in train if e.label is not None]
-    if spec.is_regression:
-        constant = spec.target_text(sum(labels) / len(labels)) if labels else spec.target_text(spec.label_range[0])
+    if not labels:  # an evaluation-only task: no training label to take the majority of (class 0 stood in for it)
+        majority = math.nan
     else:
-        constant = spec.target_text(Counter(labels).most_common(1)[0][0] if labels else 0)
-    majority = score_task(task, [constant] * len(rows), rows)["score"]
+        constant = spec.target_text(sum(labels) / len(labels) if spec.is_regression
+                                    else Counter(labels).most_common(1)[0][0])
+        majority = score_task(task, [constant] * len(rows), rows)["score"]
     rng = random.Random(0)
     draws = []
     for _ in range(CHANCE_DRAWS):
