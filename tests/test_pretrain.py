@@ -342,3 +342,18 @@ def test_pretraining_with_ray_lowers_the_loss_and_its_backbone_fine_tunes(tmp_pa
     history = client.get_metric_history(run.info.run_id, "heldout_loss")
     assert sorted(m.step for m in history) == [10, 20, 30, 40]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["loss.png"]
+
+
+def test_the_loss_curve_skips_a_line_cut_short_and_a_file_an_earlier_run_left(tmp_path):
+    """The plot ran in the command's `finally`: a metrics.jsonl whose last line a kill cut short raised there,
+    replacing the run's error with a traceback and leaving its MLflow run RUNNING; and a reused folder's file from
+    an earlier run became this run's curve."""
+    import time
+
+    from hpsearch.pretrain.__main__ import _plot
+
+    history = tmp_path / "metrics.jsonl"
+    history.write_text('{"step": 10, "loss": 5.0, "heldout_loss": 5.2}\n{"step": 20, "loss": 4.0, "heldout_lo')
+    assert _plot(tmp_path) == tmp_path / "loss.png" and (tmp_path / "loss.png").stat().st_size > 1000
+    (tmp_path / "loss.png").unlink()
+    assert _plot(tmp_path, since=time.time() + 60) is None and not (tmp_path / "loss.png").exists()

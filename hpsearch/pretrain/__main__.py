@@ -5,6 +5,7 @@ import dataclasses
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from hpsearch.cli import Parser, run_main
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> int:
     command = "python -m hpsearch.pretrain " + shlex.join(argv)
     params = {**cfg.flat(), **{f"corpus.{k}": v for k, v in options["corpus"].items()}}
     run = SingleRun(uri, "pretrain", Path(cfg.train.output_dir).name, params, command)
-    status = "FAILED"
+    status, started = "FAILED", time.time()
     try:
         metrics = _train(cfg, options, args, run)
         status = "FINISHED"
@@ -51,9 +52,12 @@ def main(argv: list[str]) -> int:
         status = "KILLED"
         raise
     finally:
-        curve = _plot(Path(cfg.train.output_dir))
-        if curve is not None:
-            run.log_artifact(curve)
+        try:  # the curve is a convenience: whatever goes wrong with it, the run's status is recorded
+            curve = _plot(Path(cfg.train.output_dir), since=started)
+            if curve is not None:
+                run.log_artifact(curve)
+        except Exception as e:
+            _say(f"loss.png not made: {type(e).__name__}: {e}")
         run.finish(status)
     _say(f"backbone: {metrics['backbone']} (held-out target accuracy {metrics.get('best_score', float('nan')):.1f} % "
          f"at step {metrics.get('best_step')}); MLflow: {ui_command(uri)}")
@@ -114,12 +118,21 @@ def _train(cfg, options, args, run) -> dict:
     return metrics
 
 
-def _plot(out_dir: Path) -> Path | None:
-    """loss.png: training loss and held-out loss per evaluation step, from the run's metrics.jsonl."""
+def _plot(out_dir: Path, since: float = 0.0) -> Path | None:
+    """loss.png: training loss and held-out loss per evaluation step, from the run's metrics.jsonl (None when this
+    run, started at `since`, wrote none: a file left by an earlier run in the folder is not this run's curve). A
+    line cut short by a kill is left out."""
     history = out_dir / "metrics.jsonl"
-    if not history.is_file():
+    if not history.is_file() or history.stat().st_mtime < since:
         return None
-    rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in history.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and {"step", "loss", "heldout_loss"} <= set(row):
+            rows.append(row)
     if not rows:
         return None
     import matplotlib
