@@ -40,6 +40,11 @@ def test_target_parse_label_round_trip_for_every_label(task):
             parsed = spec.parse(target)
             assert abs(parsed - value) <= spec.grid / 2 + 1e-9, (value, target)
             assert abs(parsed / spec.grid - round(parsed / spec.grid)) < 1e-9  # on the grid
+        if spec.grid == 0.2:  # halves up, every one (floats made 0.3, 0.7, 4.1 go down and 0.1, 0.5, 3.1 up)
+            halves = [0.1, 0.3, 0.5, 0.7, 0.9, 2.5, 3.1, 4.1, 4.9]
+            assert [spec.target_text(v) for v in halves] == ["0.2", "0.4", "0.6", "0.8", "1.0", "2.6", "3.2", "4.2",
+                                                             "5.0"]
+            assert [spec.target_text(v) for v in (0.29, 3.09, 4.0)] == ["0.2", "3.0", "4.0"]
     else:
         for label in range(len(spec.labels)):
             target = spec.target_text(label)

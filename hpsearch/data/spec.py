@@ -52,7 +52,9 @@ class TaskSpec:
     def target_text(self, label: int | float) -> str:
         if self.labels is not None:
             return self.labels[int(label)]
-        steps = math.floor(float(label) / self.grid + 0.5)  # nearest grid point, halves up
+        # nearest grid point, halves up: the quotient rounded first (0.3 / 0.2 is 1.4999999999999998 in floats, and
+        # 0.3 went down to 0.2 while 0.1 and 0.5 went up)
+        steps = math.floor(round(float(label) / self.grid, 9) + 0.5)
         decimals = 0 if self.grid >= 1 else 1
         return f"{steps * self.grid:.{decimals}f}"
 
