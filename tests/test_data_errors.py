@@ -164,3 +164,13 @@ def test_a_large_tasks_train_file_with_too_few_rows_for_its_validation_says_so(f
     with pytest.raises(DataError, match=r"sst2/train.jsonl: 500 rows, all of them validation: sst2's protocol \(large: "
                                         r"1000 train rows -> validation.*expected more than 1000 rows"):
         load(folder, tasks=["sst2"])
+
+
+def test_a_source_under_the_home_folder_is_checked_the_same(folder, monkeypatch):
+    """`data.source=~/...`: the train-file check took the path without expanding `~` and never fired (SST-2 with
+    its rows all taken for validation was described as evaluation-only)."""
+    write(folder, "sst2", "train", [{"sentence": f"s {i}", "label": i % 2} for i in range(500)])
+    write(folder, "sst2", "validation", [{"sentence": "v", "label": 0}])
+    monkeypatch.setenv("HOME", str(folder.parent))
+    with pytest.raises(DataError, match=r"sst2/train.jsonl: 500 rows, all of them validation"):
+        load_suite(DataConfig(source=f"~/{folder.name}", tasks=["sst2"], cache_dir=str(folder.parent / "cache")))

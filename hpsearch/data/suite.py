@@ -74,7 +74,8 @@ def load_suite(cfg: DataConfig) -> Suite:
             if len(capped) < len(splits[split]):
                 notes.append(f"{split} capped to {len(capped)} of {len(splits[split])} rows")
             splits[split] = capped
-        train_file = Path(cfg.source, task, "train.jsonl") if cfg.source not in ("synthetic", "hub") else None
+        train_file = (Path(cfg.source).expanduser() / task / "train.jsonl") if cfg.source not in ("synthetic", "hub") \
+            else None
         if not splits["train"] and train_file is not None and train_file.is_file():  # present but empty
             rows = len(raw[task].get("train", []))
             if rows:  # a large task's protocol took every row for validation
