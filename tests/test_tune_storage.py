@@ -302,3 +302,32 @@ def test_a_trials_exports_in_the_bucket_reach_its_mlflow_run_from_another_machin
     (child,) = [r for r in client.search_runs([parent.experiment_id]) if r.info.run_id != parent.run_id]
     assert [a.path for a in client.list_artifacts(child.info.run_id, "task_params")] == \
         ["task_params/task_params.safetensors"]
+
+
+def test_two_starts_in_a_bucket_never_take_one_name(s3, tmp_path, monkeypatch):
+    """Nothing in a bucket marked a study's name taken until the study saved its state, after Ray (and on a
+    cluster, its nodes) had started: two starts took one name and pruned each other's checkpoints. A start now
+    claims the name with an object of its own and loses when anything else is under the name; the second of two
+    starts takes the next name (with --name, one line), and a start that never ran gives its name back."""
+    from pyarrow import fs
+
+    from hpsearch.tune.cli import parse_args, prepare
+    from hpsearch.tune.storage import CLAIMS, open_storage
+
+    monkeypatch.setenv("HPSEARCH_STORAGE_CACHE", str(tmp_path / "a"))
+    first, other = open_storage(f"s3://{BUCKET}/claims"), open_storage(f"s3://{BUCKET}/claims")
+    assert first.claim("s") and not other.claim("s")  # another machine's start: the name is taken
+    assert [f.split("/")[0:2] for f in bucket_files("claims")] == [["s", CLAIMS]]  # the loser's claim withdrawn
+    with first.fs.open_output_stream(first.remote_path("t", CLAIMS, "0-theirs")) as out:
+        out.write(b"")  # a start under way that has not seen this one yet: this one loses
+    assert not first.claim("t") and bucket_files("claims/t") == {f"{CLAIMS}/0-theirs"}
+    assert first.claim("u") and "u" in first.names()
+    first.release("u")  # a start that never ran: the name is free again
+    assert "u" not in first.names() and first.fs.get_file_info(first.remote_path("u")).type == fs.FileType.NotFound
+    args = ["--storage-path", f"s3://{BUCKET}/claims", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+    one, two = prepare(parse_args(args))[0], prepare(parse_args(args))[0]
+    assert (one.name, two.name) == ("default", "default-2")
+    prepare(parse_args([*args, "--name", "mine"]))
+    with pytest.raises(Exception, match=r"--name mine: hpsearch-studies/claims/mine holds a study that saved no "
+                                        r"state yet \(a start of it under way"):
+        prepare(parse_args([*args, "--name", "mine"]))

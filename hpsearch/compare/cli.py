@@ -82,8 +82,8 @@ def prepare(args: argparse.Namespace):
     # builds) imports torch and the model library (~5 s); then the storage folder is made (the last check)
     sizes = {entry.label: backbone_size(entry.config, tasks) for entry in spec.entries()}
     storage.check_writable()
-    if not storage.remote:  # last: the name is this comparison's from now on (two started together took one name)
-        name, where = _claim(storage, name, where, args.name is None, spec.name, set(), then="choose another --name")
+    # last: the name is this comparison's from now on (two started together took one name)
+    name, where = _claim(storage, name, where, args.name is None, spec.name, set(), then="choose another --name")
     state = {"name": name, "spec_path": str(spec_path), "spec_text": spec.text, "overrides": overrides,
              "from_study": args.from_study, "tracking_uri": uri}
     from hpsearch.compare.run import Comparison  # Ray Tune: after the checks, so a mistake is said at once

@@ -130,7 +130,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
             if made:  # the store's new folder, which this command made a moment ago: nothing is left behind
                 shutil.rmtree(made, ignore_errors=True)
             raise
-    if not args.resume and not storage.remote:  # last: the name is this study's from now on (see _claim)
+    if not args.resume:  # last: the name is this study's from now on (Storage.claim)
         name, study_dir = _claim(storage, name, study_dir, args.name is None, space.name, recorded)
         state["name"] = name
     return Study(name, study_dir, space, state.get("optuna_storage"), storage=storage), state
@@ -138,19 +138,15 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
 
 def _claim(storage: Storage, name: str, study_dir: Path, free_to_rename: bool, base: str, recorded: set[str],
            then: str = "add --resume to continue it, or choose another --name") -> tuple[str, Path]:
-    """Create the study's folder, failing if it exists: nothing else marks a name taken until the study saves its
-    state, after Ray has started, so two studies started together took the same name (one folder, one Optuna
-    study, each pruning the other's checkpoints). Without --name the next free name is taken instead."""
-    while True:
-        try:
-            study_dir.mkdir(parents=True)
-            return name, study_dir
-        except FileExistsError:
-            if not free_to_rename:
-                raise ConfigError(f"--name {name}: a study of that name has just started in {study_dir}; {then}"
-                                  ) from None
-            name = _next_free_study(storage, base, recorded)
-            study_dir = _study_dir(storage, name)
+    """Take the study's name (`Storage.claim`), failing if another start has it; without --name the next free
+    name is taken instead."""
+    while not storage.claim(name):
+        if not free_to_rename:
+            raise ConfigError(f"--name {name}: a study of that name has just started in "
+                              f"{storage.remote_path(name) if storage.remote else study_dir}; {then}")
+        name = _next_free_study(storage, base, recorded)
+        study_dir = _study_dir(storage, name)
+    return name, study_dir
 
 
 def _space_name(path: Path) -> str:
@@ -267,7 +263,7 @@ def main(argv: list[str]) -> int:
     except BaseException:  # the study never started (a cluster that can never place a trial): its name is free
         if not args.resume:
             with contextlib.suppress(OSError):
-                study.dir.rmdir()  # the folder prepare claimed, while still empty
+                study.storage.release(study.name)  # the name prepare claimed, while still empty
         raise
 
     def tuner():  # within _run_and_end: a failure from here on ends the study's MLflow run, not leaves it RUNNING

@@ -27,6 +27,7 @@ from hpsearch.remotefs import download_dir
 _URI = re.compile(r"[a-z][a-z0-9+.-]*://")
 
 STORAGE_MARKER = ".storage_marker"  # a trial's thread leaves it in train/<trial id>/ for its kept ranks to see
+CLAIMS = ".claims"  # in a bucket, `<name>/.claims/`: the starts that took the name (Storage.claim)
 
 
 def is_uri(text: str) -> bool:
@@ -85,6 +86,51 @@ class Storage:
         from pyarrow import fs
         with self._reaching():
             return self.fs.get_file_info(self.remote_path(name, *parts)).type != fs.FileType.NotFound
+
+    def claim(self, name: str) -> bool:
+        """Take the study's folder for a new study, or False when another start has it. Nothing else marks a name
+        taken until the study saves its state, after Ray has started (and, on a cluster, its nodes), so two starts
+        took one name (one folder, one Optuna study, each pruning the other's checkpoints). A local folder is made,
+        failing if it exists. In a bucket, which has no create-if-absent here, a claim is an object of its own
+        (`<name>/.claims/<time>-<random>`): after writing it, a start that sees anything else under the name (an
+        earlier claim, a study) withdraws its claim and loses; of two starts at once each sees the other and both
+        lose, never both win (a listing shows every object written before it)."""
+        if not self.remote:
+            try:
+                self.study_dir(name).mkdir(parents=True)
+                return True
+            except FileExistsError:
+                return False
+        import time
+        import uuid
+
+        from pyarrow import fs
+        key = self.remote_path(name, CLAIMS, f"{time.time_ns():020d}-{uuid.uuid4().hex}")
+        with self._reaching():
+            with self.fs.open_output_stream(key) as out:
+                out.write(b"")
+            found = self.fs.get_file_info(fs.FileSelector(self.remote_path(name), recursive=True))
+            if [i.path for i in found if i.type == fs.FileType.File] == [key]:
+                self._claims = {**getattr(self, "_claims", {}), name: key}
+                return True
+            self.fs.delete_file(key)
+        return False
+
+    def release(self, name: str) -> None:
+        """Give up a claimed name of a study that never started (its folder still empty, or this start's claim)."""
+        if not self.remote:
+            with contextlib.suppress(OSError):
+                self.study_dir(name).rmdir()
+            return
+        key = getattr(self, "_claims", {}).pop(name, None)
+        if key is None:
+            return
+        from pyarrow import fs
+        with contextlib.suppress(OSError):
+            self.fs.delete_file(key)
+            left = self.fs.get_file_info(fs.FileSelector(self.remote_path(name), recursive=True))
+            if not [i for i in left if i.type == fs.FileType.File]:  # nothing else was written under the name
+                self.fs.delete_dir(self.remote_path(name))
 
     def check_writable(self) -> None:
         """One line if the folder cannot be created or written (local), or the bucket is missing or refuses a
