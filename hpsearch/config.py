@@ -57,6 +57,7 @@ class TrainConfig:
     max_failures: int = 0                 # Ray Train restarts from the last checkpoint after a worker failure
     keep_checkpoints: int = 2             # --local: the newest N checkpoints stay under output_dir/checkpoints
     debug_nan_at_step: int | None = None  # fault injection (tests): the loss becomes NaN at this step
+    debug_nan_gradient_at_step: int | None = None  # fault injection (tests): a finite loss, a NaN gradient
     debug_crash_at_step: int | None = None  # fault injection (tests): rank 0 dies once at this step
 
     def validate(self) -> None:

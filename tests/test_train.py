@@ -902,6 +902,26 @@ def test_nan_loss_stops_with_clear_reason(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+def test_a_non_finite_gradient_with_a_finite_loss_is_never_checkpointed(tmp_path):
+    """A NaN gradient while the loss is finite (fault injection at an evaluation step): at ZeRO stage 0 the clipping
+    spreads it to every weight, and the loss shows it only at the next step, after the evaluation's checkpoint had
+    kept NaN weights (a resume or a retry then trained from them). The weights are checked at each evaluation, in
+    the window's one collective: the run stops before writing it. ZeRO's optimizers skip such a step instead: the
+    run goes on and says so."""
+    at = ["train.max_steps=4", "train.eval_every=2", "train.log_every=2", "train.debug_nan_gradient_at_step=2",
+          "train.micro_batch_size=8", "data.synthetic_train_rows=100", "data.synthetic_eval_rows=20"]
+    stage0 = run_train("--local", *at, "train.zero_stage=0", f"train.output_dir={tmp_path}/s0")
+    assert stage0.returncode == 2, stage0.stderr[-3000:]
+    assert "non-finite weights at step 2" in stage0.stderr and "stopping the run before it writes a checkpoint" \
+        in stage0.stderr and "Traceback" not in stage0.stderr, stage0.stderr[-3000:]
+    assert not list((tmp_path / "s0").glob("checkpoints/step_*")) and not (tmp_path / "s0" / "checkpoints" /
+                                                                          "best").exists()
+    stage1 = run_train("--local", *at, "train.zero_stage=1", f"train.output_dir={tmp_path}/s1")
+    assert final_json(stage1)["step"] == 4
+    assert "DeepSpeed skipped 1 optimizer step(s) with a non-finite gradient by step 2" in stage1.stdout
+
+
 # `python -m hpsearch.train` whose export finds the disk full, as safetensors says it (a SafetensorError, not an
 # OSError; version 0.8 on a full device): argv[1] "file" fails our export's writer, "pretrained" fails the whole export
 # the way a Hugging Face save_pretrained (the pretraining export) raises it

@@ -50,16 +50,40 @@ class Window:
         for name, v in aux.items():
             self.aux[name] = self.aux.get(name, self.zero()) + v.detach().to(torch.float64) / grad_accum
 
-    def fold(self) -> dict:
-        """Sums over all ranks: {eval_loss, tokens, log_loss, bad_ranks, aux: {...}}; `first_bad` stays local."""
+    def fold(self, bad_weights: torch.Tensor | None = None) -> dict:
+        """Sums over all ranks: {eval_loss, tokens, log_loss, bad_ranks, bad_weights, aux: {...}}; `first_bad`
+        stays local. `bad_weights`: this rank's count of non-finite weights (`non_finite_weights`, at evaluation
+        boundaries, where every rank passes one), summed in the same collective."""
         names = sorted(self.aux)
+        extra = [] if bad_weights is None else [bad_weights.to(self.eval_loss.device, torch.float64)]
         t = torch.stack([self.eval_loss, self.tokens, self.log_loss, (self.first_bad > 0).to(torch.float64),
-                         *(self.aux[n] for n in names)])
+                         *extra, *(self.aux[n] for n in names)])
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(t)
         values = t.tolist()  # the one host synchronisation of the window
+        weights = values.pop(4) if extra else 0.0
         return {"eval_loss": values[0], "tokens": values[1], "log_loss": values[2], "bad_ranks": values[3],
-                "aux": dict(zip(names, values[4:]))}
+                "bad_weights": weights, "aux": dict(zip(names, values[4:]))}
+
+
+def non_finite_weights(module: torch.nn.Module) -> torch.Tensor:
+    """How many of this rank's weights are not finite (a device scalar): its own shard of each under ZeRO-3
+    (`ds_tensor`; a partitioned `.weight` is never read), the whole weight otherwise."""
+    counts = [(~torch.isfinite(t)).sum() for p in module.parameters()
+              if (t := getattr(p, "ds_tensor", p)).numel()]
+    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.long)
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Fault injection (train.debug_nan_gradient_at_step): the value passes unchanged, its gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
 
 
 def token_weighted(out, label_tokens: tuple[int, int] | None, shares: int) -> torch.Tensor:
@@ -196,6 +220,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
     copy = lambda k, v: v if k == "task_ids" else v.to(device, non_blocking=True)
     lr_used = cfg.train.lr
     steps_at_start = step
+    skipped_said = getattr(engine, "skipped_steps", 0)
     final: dict = {}
     try:
         while step < cfg.train.max_steps:
@@ -208,6 +233,8 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 loss = token_weighted(out, label_tokens, world * cfg.train.grad_accum)
                 if cfg.train.debug_nan_at_step is not None and step + 1 == cfg.train.debug_nan_at_step:
                     loss = loss * float("nan")
+                if cfg.train.debug_nan_gradient_at_step == step + 1:
+                    loss = _NaNGradient.apply(loss)
                 with gradient_sync(engine):
                     engine.backward(loss)
                 lr_used = engine.get_lr()[0]  # the learning rate this update uses
@@ -225,11 +252,23 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
             if not (evaluating or logging_):
                 _maybe_crash(cfg, step, resume_dir, rank)
                 continue
-            sums = window.fold()  # every rank, at every log and evaluation boundary: before any checkpoint is written
+            # every rank, at every log and evaluation boundary: before any checkpoint is written. At an evaluation,
+            # the weights too: a non-finite gradient with a finite loss (clipping at ZeRO stage 0 spreads it to
+            # every weight) shows in the loss only a step later, after this step's checkpoint had kept the weights
+            sums = window.fold(non_finite_weights(engine.module) if evaluating else None)
             if sums["bad_ranks"]:
                 at = f"at step {int(window.first_bad)}" if window.first_bad > 0 else f"on another rank by step {step}"
                 raise NonFiniteLoss(f"non-finite loss {at}: stopping the run (lower train.lr or raise "
                                     f"train.warmup_steps)")
+            if sums["bad_weights"]:
+                raise NonFiniteLoss(f"non-finite weights at step {step} ({int(sums['bad_weights'])} of them: a "
+                                    "non-finite gradient, with a finite loss): stopping the run before it writes a "
+                                    "checkpoint (lower train.lr, raise train.warmup_steps or set train.grad_clip)")
+            skipped = getattr(engine, "skipped_steps", 0)  # a plain count: ZeRO's optimizers skip a step whose
+            if skipped > skipped_said and not engine.fp16_enabled():  # gradient is not finite (fp16: loss scaling)
+                _rank0_print(rank, f"DeepSpeed skipped {skipped - skipped_said} optimizer step(s) with a non-finite "
+                                   f"gradient by step {step} (the loss was finite; {skipped} in all)")
+                skipped_said = skipped
             if logging_:
                 elapsed = time.perf_counter() - t_start
                 rate = (step - steps_at_start) / elapsed

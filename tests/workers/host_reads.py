@@ -78,11 +78,11 @@ def next_spied(self):
     return next_batch(self)
 
 
-def fold_spied(self):
+def fold_spied(self, *args):
     counts["folds"] += 1
     phase[0] = "fold"
     try:
-        return fold(self)
+        return fold(self, *args)
     finally:
         phase[0] = "other"
 
