@@ -1,6 +1,7 @@
 """The MLflow store: two studies starting together on a new sqlite file both get their parent run."""
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,37 @@ def test_a_node_that_cannot_reach_the_store_records_no_system_metrics_and_says_s
     time.sleep(1.5)
     monitor.finish()
     assert any(k.startswith("system/") for k in MlflowClient(uri).get_run(run.run_id).data.metrics)
+
+
+def test_a_trial_callback_pickled_before_it_had_a_storage_still_ends_trials(tmp_path):
+    """Tune restores a study's callbacks from its pickle: one saved before `TrialRuns.storage` existed had no such
+    attribute, and every completed trial of its `--resume` raised AttributeError in the callback (the study ended
+    FAILED, and so did every later resume)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from hpsearch.tracking import StudyRun
+    from hpsearch.tune.trialruns import TrialRuns
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    parent = StudyRun.create(uri, "s", space_path="space.yaml", space_text="x\n", command="c", params={})
+    runs = TrialRuns(uri, parent.experiment_id, parent.run_id, "s", functools.partial(_trial_config, tmp_path),
+                     _complete)
+    del runs.__dict__["storage"]  # the state an older pickle holds
+    restored = pickle.loads(pickle.dumps(runs))
+    trial = SimpleNamespace(trial_id="t1", config={}, last_result={"step": 1}, error_file=None, evaluated_params={})
+    restored.log_trial_start(trial)
+    restored.log_trial_end(trial)
+    (child,) = [r for r in MlflowClient(uri).search_runs([parent.experiment_id]) if r.info.run_id != parent.run_id]
+    assert child.info.status == "FINISHED"
+
+
+def _trial_config(root, config, trial_id):
+    from hpsearch.config import load_config
+    cfg = load_config(None, [])
+    cfg.train.output_dir = str(root / "trials" / trial_id)
+    return cfg
+
+
+def _complete(last_result, failed):
+    return "complete"

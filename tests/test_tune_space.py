@@ -322,6 +322,10 @@ def test_concurrency_follows_resources(tmp_path):
     capped = load_space(write(tmp_path, BASE + "resources:\n  max_concurrent: 2\n"))
     assert concurrency(capped, {"CPU": 64.0}) == (2, 2)
     assert concurrency(capped, {"CPU": 2.0}, grows=True) == (2, 2)
+    # a trial that launches Ray Train's worker group asks Tune for its driver's bundle alone, which places at once:
+    # without a limit every trial would start together
+    group = load_space(write(tmp_path, BASE + "resources:\n  worker_group: always\n"))
+    assert concurrency(group, {"CPU": 8.0}, grows=True) == (4, 4)
 
 
 def test_a_one_worker_trial_is_one_bundle_in_its_own_actor_unless_told(tmp_path):

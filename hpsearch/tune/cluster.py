@@ -143,7 +143,11 @@ def concurrency(space: SearchSpace, cluster: dict[str, float], grows: bool = Fal
     if space.resources.max_concurrent:
         return space.resources.max_concurrent, space.resources.max_concurrent
     fits = max(1, min(int(cluster.get(k, 0.0) / v + 1e-9) for k, v in trial_resources(space).items()))
-    return (None if grows else fits), fits
+    # only when Tune's placement group holds the whole trial (its own actor, or kept ranks): a trial that launches
+    # Ray Train's worker group asks Tune for its driver's bundle alone, which places at once, so without a limit
+    # every trial would start together
+    whole = not uses_ray_train(space)
+    return (None if grows and whole else fits), fits
 
 
 def at_a_time(limit: int | None, now: int) -> str:

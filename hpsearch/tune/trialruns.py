@@ -31,6 +31,8 @@ class TrialRuns(LoggerCallback):
     `trial_config(config, trial_id)` gives a trial's full run config; `outcome(last_result, failed)` names how it
     ended (complete, stopped, failed)."""
 
+    storage = None  # a study saved before the attribute existed is restored from its pickle without it
+
     def __init__(self, tracking_uri: str, experiment_id: str, parent_run_id: str, study: str,
                  trial_config: Callable, outcome: Callable[[dict, bool], str], storage=None):
         self.tracking_uri, self.experiment_id, self.parent_run_id, self.study = (
