@@ -225,3 +225,23 @@ def test_a_study_interrupted_between_trials_keeps_the_trials_its_time_budget_has
     assert trials_left(ended, 8, 600.0, 600.0) == 0  # the budget ended the study
     assert trials_left([*ended, "PAUSED"], 8, 600.0, 700.0) == 1  # interrupted after it: the started one is left
     assert trials_left([*ended, "RUNNING"], 2, None, 0.0) == 1  # Tune's trials beyond the number asked for
+
+
+def test_the_drivers_time_is_saved_while_the_trials_run():
+    """With a time budget, whether a study has trials left depends on the driver's time so far, which was saved
+    only when the trials returned: a driver killed outright (SIGKILL, the OOM killer) left none, and a study whose
+    budget was spent then counted as interrupted at every --resume, never reporting. It is saved every few seconds
+    meanwhile, counted from the study's time before this run."""
+    import time
+
+    from hpsearch.tune.cli import _ElapsedKeeper
+
+    saved = []
+    study = type("Study", (), {"update_state": lambda self, **values: saved.append(values["elapsed_s"])})()
+    keeper = _ElapsedKeeper(study, 100.0, time.time(), every=0.05)
+    time.sleep(0.4)
+    keeper.stop()
+    count = len(saved)
+    time.sleep(0.15)
+    assert count >= 3 and len(saved) == count  # stopped: no more writes
+    assert all(100.0 < a < b < 101.0 for a, b in zip(saved, saved[1:]))

@@ -334,11 +334,17 @@ def _run_and_end(study: Study, parent, make_tuner) -> int:
 def _run(study: Study, parent, tuner) -> int:
     from hpsearch.tune.study import fit, unfinished
 
-    started = time.time()
-    result_grid = fit(tuner)
-    # the driver's time over every run of the study (a resume's report said only its own: "in 0.0 min")
-    elapsed = study.update_state(elapsed_s=load_state(study.dir).get("elapsed_s", 0.0)
-                                 + time.time() - started)["elapsed_s"]
+    started, before = time.time(), load_state(study.dir).get("elapsed_s", 0.0)
+    # the driver's time over every run of the study (a resume's report said only its own: "in 0.0 min"); with a
+    # time budget, saved every few seconds while the trials run too: a driver killed outright (SIGKILL, the OOM
+    # killer) leaves its time, which decides whether the budget has trials left (`trials_left`)
+    keeper = _ElapsedKeeper(study, before, started) if study.space.budget.time_budget_s else None
+    try:
+        result_grid = fit(tuner)
+    finally:
+        if keeper is not None:
+            keeper.stop()
+    elapsed = study.update_state(elapsed_s=before + time.time() - started)["elapsed_s"]
     left = unfinished(study)
     if left:
         parent.finish("KILLED")
@@ -346,6 +352,26 @@ def _run(study: Study, parent, tuner) -> int:
               file=sys.stderr)
         return INTERRUPTED
     return _report(study, parent, result_grid, elapsed)
+
+
+class _ElapsedKeeper:
+    """Saves the driver's time so far in the study's state every `every` seconds, in a thread of its own."""
+
+    def __init__(self, study: Study, before: float, started: float, every: float = 10.0):
+        import threading
+
+        self._done = threading.Event()
+
+        def keep():
+            while not self._done.wait(every):
+                with contextlib.suppress(Exception):  # a failed write loses a few seconds of the count, no more
+                    study.update_state(elapsed_s=before + time.time() - started)
+        self._thread = threading.Thread(target=keep, name="hpsearch-elapsed", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _report(study: Study, parent, result_grid, elapsed: float) -> int:
