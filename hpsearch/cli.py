@@ -39,9 +39,19 @@ def unwritable(folder: str | Path) -> str | None:
         return f"{existing} cannot be written"
 
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@\s:]*):(?P<secret>[^/@\s]+)@")
-_SECRET_QUERY = re.compile(r"(?P<key>\b(?:secret_key|session_token|password|passwd|token|access_token|"
-                           r"aws_secret_access_key)=)(?P<secret>[^&\s'\"]+)", re.IGNORECASE)
+# user:password@ (a password may hold '/', as SQLAlchemy reads it, unless it reads as a port and a path:
+# http://host:8080/a@b), or a user part alone (a token: https://TOKEN@host)
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:(?P<user>[^/@\s:\[\]]*):(?!\d+(?:/|$))[^@\s]+|"
+                       r"[^/@\s:\[\]]+)@")
+_SECRET_KEYS = ("secret_key", "secret", "session_token", "password", "passwd", "pwd", "token", "access_token",
+                "sas_token", "sig", "account_key", "client_secret", "api_key", "apikey", "aws_secret_access_key")
+_SECRET_QUERY = re.compile(rf"(?P<key>(?:^|(?<=[?&;\s]))-{{0,2}}(?:{'|'.join(_SECRET_KEYS)})=)(?P<secret>[^&\s'\"]+)",
+                           re.IGNORECASE)
+
+
+def _userinfo(match: re.Match) -> str:
+    user = match.group("user")
+    return f"{match.group('scheme')}{user}:***@" if user is not None else f"{match.group('scheme')}***@"
 
 
 def redacted(text: str) -> str:
@@ -49,7 +59,7 @@ def redacted(text: str) -> str:
     password in the user part (`postgresql://user:***@host/db`, `s3://KEY:***@bucket`) and secret query values
     (`?secret_key=***`). What is logged to MLflow or printed goes through this; the study's state file keeps the
     whole URL, which `--resume` needs."""
-    return _SECRET_QUERY.sub(r"\g<key>***", _USERINFO.sub(r"\g<scheme>\g<user>:***@", text))
+    return _SECRET_QUERY.sub(r"\g<key>***", _USERINFO.sub(_userinfo, text))
 
 
 def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = None) -> None:
@@ -65,7 +75,7 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str] | None = N
     try:
         code = main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redacted(str(e))}", file=sys.stderr)  # a message may name a URL with its password
         sys.exit(2)
     sys.exit(code or 0)
 

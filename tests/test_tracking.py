@@ -136,8 +136,12 @@ def test_passwords_in_urls_are_never_logged_to_mlflow_nor_printed(tmp_path):
                                  "postgresql://hpsearch:***@db.internal:5432/optuna")
     assert redacted("s3://b/p?region=x&secret_key=abc&session_token=t") == \
         "s3://b/p?region=x&secret_key=***&session_token=***"
-    assert redacted("sqlite:////tmp/m.db http://127.0.0.1:5000 https://user@host/") == \
-        "sqlite:////tmp/m.db http://127.0.0.1:5000 https://user@host/"  # nothing secret: unchanged
+    harmless = "sqlite:////tmp/m.db http://127.0.0.1:5000 http://host:8080/path@x http://[::1]:5000/x@y eos_token=1"
+    assert redacted(harmless) == harmless  # nothing secret (a port and a path are no password): unchanged
+    # a password holding '/' (AWS secret keys do; SQLAlchemy reads it whole), a token as the user part, SAS keys
+    assert redacted("postgresql://u:pa/ss@h/db s3://AKIA:wJal/K7MD@b/p https://ghp_TOK@github.com/x") == \
+        "postgresql://u:***@h/db s3://AKIA:***@b/p https://***@github.com/x"
+    assert redacted("az://c/p?sas_token=abc&sig=zz --token=t") == "az://c/p?sas_token=***&sig=*** --token=***"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     study = StudyRun.create(uri, "s", space_path="space.yaml", space_text="name: s\n", command=command,
                             params={"optuna_storage": db, "trials": 2})
@@ -151,6 +155,14 @@ def test_passwords_in_urls_are_never_logged_to_mlflow_nor_printed(tmp_path):
     assert not any(secret in text for text in logged for secret in ("S3cretPassw0rd", "wJalrXUtnFEMI")), logged
     shown = dashboard_command(db) + ui_command("http://u:pw@mlflow.internal:5000")
     assert "S3cretPassw0rd" not in shown and "pw@" not in shown and "hpsearch:***@" in shown
+    # an error line names the URL it could not open: printed redacted too
+    import subprocess
+    import sys
+    code = ("from hpsearch.cli import run_main\nfrom hpsearch.errors import ConfigError\n"
+            f"def main(argv):\n    raise ConfigError('--optuna-storage {db}: cannot be opened')\nrun_main(main, [])\n")
+    error = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert error.returncode == 2 and error.stderr.strip() == ("error: --optuna-storage postgresql://hpsearch:***@"
+                                                              "db.internal:5432/optuna: cannot be opened")
 
 
 def test_a_node_that_cannot_reach_the_store_records_no_system_metrics_and_says_so(tmp_path, capsys):

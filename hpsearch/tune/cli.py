@@ -389,7 +389,7 @@ def _report(study: Study, parent, result_grid, elapsed: float) -> int:
           f"{ui_command(parent.tracking_uri)}")
     if study.optuna_storage:
         from hpsearch.tune.optuna_store import dashboard_command
-        ui = (f"Optuna: study '{study.name}' in {study.optuna_storage}; open the dashboard: "
+        ui = (f"Optuna: study '{study.name}' in {redacted(study.optuna_storage)}; open the dashboard: "
               f"{dashboard_command(study.optuna_storage)}\n{ui}")
     disk = (f"Disk: {kept / 2**20:.1f} MB in {study.dir} (exports and logs; {freed / 2**20:.1f} MB of checkpoints "
             "only a resume needed were removed)")
