@@ -204,6 +204,16 @@ def test_held_out_pieces_are_whole_texts_the_model_never_trains_on(tmp_path):
     assert chunks.dropped >= len({passages[k // 2] for k in held if k < 240}) // 2  # their other copies left out
     assert Chunks(texts, tokenizer, 31, 8, seed=1).heldout == chunks.heldout  # seeded
     assert Chunks(texts, tokenizer, 31, 8, seed=2).heldout != chunks.heldout
+    # a corpus of one long document: its segments are held out (it made one unit, and no training text was left)
+    book = [" ".join(rng.choice(words, 3000))]
+    one = Chunks(book, tokenizer, 31, 4, seed=1)
+    stream = [i for piece in one.train for i in piece]
+    assert len(one.heldout) == 4 and len(stream) + sum(map(len, one.heldout)) >= 0.95 * one.tokens
+    assert not any(tuple(p[:OVERLAP_NGRAM]) in {tuple(stream[k:k + OVERLAP_NGRAM]) for k in range(len(stream))}
+                   for p in one.heldout)
+    with pytest.raises(DataError, match=r"leaves \d+ pieces of 31 tokens to train on beside \d+ held out "
+                                        r"\(corpus.heldout_chunks: 500; 0 texts or segments left out"):
+        Chunks(book, tokenizer, 31, 500)
 
 
 def test_the_default_corpus_is_the_training_inputs_only():
@@ -357,3 +367,25 @@ def test_the_loss_curve_skips_a_line_cut_short_and_a_file_an_earlier_run_left(tm
     assert _plot(tmp_path) == tmp_path / "loss.png" and (tmp_path / "loss.png").stat().st_size > 1000
     (tmp_path / "loss.png").unlink()
     assert _plot(tmp_path, since=time.time() + 60) is None and not (tmp_path / "loss.png").exists()
+
+
+def test_a_pretraining_checkpoint_of_another_corpus_layout_is_not_resumed(tmp_path):
+    """How the corpus is cut into training and held-out pieces changed (held-out texts from across the corpus): a
+    checkpoint written before would resume on a re-cut stream, its sampler's positions and its best score meaning
+    other pieces. Its config has no layout: it counts as layout 1, and the resume is one line."""
+    import dataclasses
+
+    from hpsearch.pretrain.config import load_pretrain_config
+    from hpsearch.pretrain.corpus import LAYOUT
+    from hpsearch.train import checkpoints
+
+    cfg, corpus = load_pretrain_config(None, TINY)
+    run = {**cfg.to_dict(), "corpus": dataclasses.asdict(corpus), "corpus_layout": {"version": LAYOUT}}
+    (tmp_path / "state").mkdir()
+    checkpoints.write_config(tmp_path, {k: v for k, v in run.items() if k != "corpus_layout"})
+    assert checkpoints.resume_differences(tmp_path, run) == {"corpus_layout.version": (1, LAYOUT)}
+    checkpoints.write_config(tmp_path, run)
+    assert checkpoints.resume_differences(tmp_path, run) == {}
+    fine_tuning = cfg.to_dict()  # a fine-tuning checkpoint has no corpus: nothing to compare
+    checkpoints.write_config(tmp_path, fine_tuning)
+    assert checkpoints.resume_differences(tmp_path, fine_tuning) == {}

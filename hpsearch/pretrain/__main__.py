@@ -34,7 +34,8 @@ def main(argv: list[str]) -> int:
     absolute_paths(cfg)
     if corpus.path:
         corpus.path = str(Path(corpus.path).expanduser().resolve())
-    options = {"corpus": dataclasses.asdict(corpus)}
+    from hpsearch.pretrain.corpus import LAYOUT
+    options = {"corpus": dataclasses.asdict(corpus), "corpus_layout": {"version": LAYOUT}}  # resume checks both
     if args.local:  # one rank: what the run is (a resume is checked against it)
         cfg.train.num_workers = 1
     _check(cfg, corpus, args.resume_from, args.local)  # every mistake before Ray starts or MLflow gets a run

@@ -98,6 +98,7 @@ def describe_corpus(corpus, data) -> str:
     return f"training inputs of {data.source} ({', '.join(resolve_tasks(data))})"
 
 
+LAYOUT = 2  # how Chunks cuts a corpus (2: held-out texts from across it); a checkpoint of another is not resumed
 OVERLAP_NGRAM = 13  # a training text sharing a run of this many tokens with a held-out text is dropped (GPT-3's test)
 
 
@@ -127,48 +128,75 @@ def check_backbone_corpus(backbone: str, data) -> None:
 class Chunks:
     """The corpus as token pieces of `length` ids (eos not included): `train` and `heldout` lists.
 
-    Held out: whole texts, drawn in a seeded order from across the corpus until their tokens fill `heldout` pieces;
-    every training text that shares a run of `OVERLAP_NGRAM` tokens with one of them is left out of training (the
-    same text again, or one built on the same passage: WSC repeats each passage with other spans), so the held-out
-    loss is measured on text the model never trained on. (The corpus's last pieces, held out before, were WSC's
-    last training rows, most of whose passages the training pieces held too.) The training texts and the held-out
-    ones are each concatenated and cut into pieces, as T5 packs its corpus. `dropped`: the training texts left out."""
+    Held out: whole texts (a text longer than four pieces counts as its pieces' worth of segments, so a corpus of a
+    few long documents can still hold some out), drawn in a seeded order from across the corpus until they fill
+    `heldout` pieces; every other text or segment that shares a run of `OVERLAP_NGRAM` tokens with them (the same
+    text again, or one built on the same passage: WSC repeats each passage with other spans) is left out of
+    training, so the held-out loss is measured on text the model never trained on. (The corpus's last pieces, held
+    out before, were WSC's last training rows, most of whose passages the training pieces held too.) The training
+    part and the held-out part are each concatenated and cut into pieces, as T5 packs its corpus. `dropped`: the
+    texts or segments left out of training."""
 
     def __init__(self, texts: list[str], tokenizer, length: int, heldout: int, seed: int = 0):
         import numpy as np
 
-        rows: list[list[int]] = []
+        units: list[list[int]] = []  # whole texts, or segments of long ones
+        keys: list[str | None] = []  # a whole text's own text (its copies are one), a segment's None
         for start in range(0, len(texts), 4096):  # the fast tokenizer in batches, no special tokens
-            rows.extend(tokenizer(texts[start:start + 4096], add_special_tokens=False)["input_ids"])
-        self.tokens = sum(map(len, rows))
-        want, held, chosen = heldout * length, 0, set()
-        for i in np.random.default_rng([seed, 3]).permutation(len(rows)):
+            batch = tokenizer(texts[start:start + 4096], add_special_tokens=False)["input_ids"]
+            for text, row in zip(texts[start:start + 4096], batch):
+                if len(row) <= 4 * length:
+                    units.append(row)
+                    keys.append(text)
+                else:
+                    for k in range(0, len(row), length):
+                        units.append(row[k:k + length])
+                        keys.append(None)
+        self.tokens = sum(map(len, units))
+        want, held, chosen, texts_chosen = heldout * length, 0, np.zeros(len(units), bool), set()
+        for i in np.random.default_rng([seed, 3]).permutation(len(units)):
             if held >= want:
                 break
-            if rows[i] and texts[i] not in chosen:
-                chosen.add(texts[i])
-                held += len(rows[i])
-        grams = {tuple(row[k:k + OVERLAP_NGRAM]) for row, text in zip(rows, texts) if text in chosen
-                 for k in range(max(1, len(row) - OVERLAP_NGRAM + 1))}
-        n = OVERLAP_NGRAM
-
-        def overlaps(row: list[int]) -> bool:
-            return any(tuple(row[k:k + n]) in grams for k in range(max(1, len(row) - n + 1)))
-
-        held_rows, train_rows, self.dropped = [], [], 0
-        for row, text in zip(rows, texts):
-            if text in chosen:
-                held_rows.append(row)
-                chosen.discard(text)  # its first copy; another is left out below (it overlaps)
-            elif overlaps(row):
-                self.dropped += 1
-            else:
-                train_rows.append(row)
-        self.train, self.heldout = _pieces(train_rows, length), _pieces(held_rows, length)[:heldout]
+            if units[i] and (keys[i] is None or keys[i] not in texts_chosen):
+                chosen[i] = True
+                texts_chosen.add(keys[i])
+                held += len(units[i])
+        overlapping = _sharing_runs(units, chosen, OVERLAP_NGRAM)
+        copies = np.array([k is not None and k in texts_chosen for k in keys], bool) & ~chosen
+        dropped = (overlapping | copies) & ~chosen
+        self.dropped = int(dropped.sum())
+        self.train = _pieces([u for u, c, d in zip(units, chosen, dropped) if not c and not d], length)
+        self.heldout = _pieces([u for u, c in zip(units, chosen) if c], length)[:heldout]
         if len(self.heldout) < heldout or not self.train:
-            raise DataError(f"the corpus makes {len(self.train) + len(self.heldout)} pieces of {length} tokens, not "
-                            f"more than the {heldout} held out (corpus.heldout_chunks); give more text or hold out "
-                            "fewer")
+            raise DataError(f"the corpus ({self.tokens} tokens) leaves {len(self.train)} pieces of {length} tokens "
+                            f"to train on beside {len(self.heldout)} held out (corpus.heldout_chunks: {heldout}; "
+                            f"{self.dropped} texts or segments left out for sharing a {OVERLAP_NGRAM}-token run "
+                            "with held-out ones); give more text or hold out fewer")
+
+
+def _sharing_runs(units: list[list[int]], chosen, n: int):
+    """Which units share a run of `n` tokens with a chosen unit (a boolean array), from 64-bit hashes of every run
+    of each unit, computed for the whole corpus at once (a run crossing two units is none)."""
+    import numpy as np
+
+    lengths = np.fromiter(map(len, units), dtype=np.int64, count=len(units))
+    flat = np.fromiter((t for u in units for t in u), dtype=np.uint64, count=int(lengths.sum()))
+    owner = np.repeat(np.arange(len(units)), lengths)
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    if flat.size < n:
+        return np.zeros(len(units), bool)
+    positions = np.arange(flat.size - n + 1)
+    valid = positions + n <= (starts + lengths)[owner[positions]]  # the run ends inside its unit
+    hashes = np.zeros(positions.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # wrapping multiplication: a hash modulo 2^64
+        for j in range(n):
+            hashes = hashes * np.uint64(1_000_003) + flat[j:j + positions.size] + np.uint64(j + 1)
+    mine = chosen[owner[positions]] & valid
+    others = ~chosen[owner[positions]] & valid
+    hits = np.isin(hashes[others], np.unique(hashes[mine]))
+    out = np.zeros(len(units), bool)
+    out[owner[positions[others][hits]]] = True
+    return out
 
 
 def _pieces(rows: list[list[int]], length: int) -> list[list[int]]:

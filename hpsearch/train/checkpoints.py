@@ -100,7 +100,8 @@ RESUME_KEEPS = ("model.", "data.tasks", "data.seed", "data.data_seed", "data.tem
                 "data.synthetic_small_train_rows", "data.synthetic_eval_rows", "data.max_train_rows",
                 "data.vocab_size", "train.num_workers", "train.micro_batch_size", "train.grad_accum",
                 "train.optimizer", "train.lr", "train.embedding_lr_scale", "train.warmup_steps",
-                "train.weight_decay", "train.grad_clip", "train.seed", "corpus.")  # corpus: pretraining's
+                "train.weight_decay", "train.grad_clip", "train.seed", "corpus.",  # corpus: pretraining's
+                "corpus_layout.")  # how its corpus is cut (written since layout 2: a checkpoint without it is 1)
 RESUME_MAY_CHANGE = ("model.backbone", "corpus.path")  # paths that may differ between machines
 CONFIG = "config.json"
 
@@ -121,6 +122,8 @@ def resume_differences(directory: str | Path, run: dict) -> dict[str, tuple]:
     flat = lambda config: {f"{s}.{k}": v for s, values in config.items() if isinstance(values, dict)
                            for k, v in values.items()}
     old, new = flat(saved), flat(run)
+    if "corpus.max_length" in old and "corpus_layout.version" in new:  # a pretraining checkpoint from before it
+        old.setdefault("corpus_layout.version", 1)
     return {k: (old[k], new[k]) for k in sorted(old)
             if k.startswith(RESUME_KEEPS) and k not in RESUME_MAY_CHANGE and k in new and old[k] != new[k]}
 
