@@ -129,8 +129,12 @@ def main(argv: list[str]) -> int:
     from hpsearch.tune.cluster import at_a_time, concurrency, uses_ray_train
 
     spec = comparison.spec
-    parent = StudyRun.create(state["tracking_uri"], comparison.name, space_path=spec.path, space_text=spec.text,
-                             command=command, params=_params(comparison, args), description=spec.description)
+    try:
+        parent = StudyRun.create(state["tracking_uri"], comparison.name, space_path=spec.path, space_text=spec.text,
+                                 command=command, params=_params(comparison, args), description=spec.description)
+    except BaseException:  # the comparison never started: the name prepare claimed is free again
+        comparison.storage.release(comparison.name)
+        raise
     try:
         for key, value in {ROLE_TAG: "comparison", "mlflow.source.name": "python -m hpsearch.compare"}.items():
             parent.client.set_tag(parent.run_id, key, value)
