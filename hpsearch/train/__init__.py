@@ -1,4 +1,5 @@
-"""`python -m hpsearch.train`: train one configuration. Ray Train runs the workers; each runs DeepSpeed ZeRO-3.
+"""`python -m hpsearch.train`: train one configuration. Ray Train runs the workers; each runs DeepSpeed (ZeRO stage
+0-3: `train.zero_stage`, auto by default: 0 when the training state fits a worker).
 
     python -m hpsearch.train [--config FILE.yaml] [--local] [--resume-from DIR] [key=value ...]
 

@@ -33,7 +33,8 @@ INTERRUPTED = 130
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = Parser(prog="python -m hpsearch.tune", description=__doc__.splitlines()[0])
     p.add_argument("--space", help=f"search space YAML (default: {DEFAULT_SPACE.parent.name}/default.yaml)")
-    p.add_argument("--name", help="study name (default: the space's `name`); also the MLflow experiment")
+    p.add_argument("--name", help="study name (default: the space's `name`); the MLflow experiment is "
+                                       "hpsearch/<name>")
     p.add_argument("--num-samples", type=int, help="number of trials (the space's budget.trials)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite:///mlflow.db here)")
     p.add_argument("--storage-path", default="runs/tune", help="where studies keep their state: a folder or "
