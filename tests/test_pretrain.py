@@ -389,3 +389,18 @@ def test_a_pretraining_checkpoint_of_another_corpus_layout_is_not_resumed(tmp_pa
     fine_tuning = cfg.to_dict()  # a fine-tuning checkpoint has no corpus: nothing to compare
     checkpoints.write_config(tmp_path, fine_tuning)
     assert checkpoints.resume_differences(tmp_path, fine_tuning) == {}
+
+
+def test_a_corpus_folder_needs_no_suite_folder(tmp_path):
+    """With `corpus.path` the suite is not read, yet its default folder (the repo's `../shared/data/glue`) had to
+    exist: pretraining on a folder of text from anywhere else failed on a setting it does not use. The data
+    section's other fields are still checked."""
+    from hpsearch.pretrain.config import load_pretrain_config
+
+    (tmp_path / "a.txt").write_text("some text\n")
+    cfg, corpus = load_pretrain_config(None, [f"corpus.path={tmp_path}", "data.source=/no/such/folder"])
+    assert corpus.path == str(tmp_path)
+    with pytest.raises(ConfigError, match="data.source: folder '/no/such/folder' does not exist"):
+        load_pretrain_config(None, ["data.source=/no/such/folder"])
+    with pytest.raises(ConfigError, match="data.temperature"):
+        load_pretrain_config(None, [f"corpus.path={tmp_path}", "data.temperature=-1"])

@@ -105,8 +105,12 @@ def load_pretrain_config(path: str | Path | None = None, overrides: typing.Itera
             _set_corpus(corpus, key.removeprefix("corpus."), value, f"override {text!r}")
         else:
             set_field(cfg, key, value, f"override {text!r}")
-    cfg.validate()
     corpus.validate()
+    if corpus.path is not None:  # the suite is not read: its folder need not exist (the default's is the repo's)
+        cfg.model.validate(), cfg.train.validate()
+        dataclasses.replace(cfg.data, source="synthetic").validate()  # the data section's other fields
+    else:
+        cfg.validate()
     if cfg.model.method != "mtl":
         raise ConfigError(f"model.method: {cfg.model.method!r}; pretraining trains the plain backbone (mtl)")
     return cfg, corpus
