@@ -275,9 +275,11 @@ def main(argv: list[str]) -> int:
             study.system_metrics = {"tracking_uri": parent.tracking_uri, "experiment_id": parent.experiment_id,
                                     "parent_run_id": parent.run_id, "interval": state["system_metrics"]}
         limit, now = concurrency(space, ray.cluster_resources(), grows=bool(os.environ.get("RAY_ADDRESS")))
-        print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {at_a_time(limit, now)}, "
+        restoring = args.resume and ray.tune.Tuner.can_restore(*study.ray_path())
+        at_once = "as many at a time as when it started" if restoring else at_a_time(limit, now)  # Tune keeps its own
+        print(f"[hpsearch.tune] study '{study.name}': {space.budget.trials} trials, {at_once}, "
               f"state in {study.dir}, MLflow {redacted(parent.tracking_uri)} (run {parent.run_id})", flush=True)
-        if args.resume and ray.tune.Tuner.can_restore(*study.ray_path()):
+        if restoring:
             # with the callbacks, searcher and scheduler it saved
             return restore_tuner(study, results_only=state.get("tune_loggers") == "results")
         trial_runs = TrialRuns(parent.tracking_uri, parent.experiment_id, parent.run_id, study.name,
