@@ -1,4 +1,4 @@
-"""The best weights read back by ranges (`hpsearch/train/tensorfile.py`, `checkpoints.load_best`): each range equals
+"""The best weights read back by ranges (`hpsearch/train/tensorfile.py`, `bestweights.load_best`): each range equals
 safetensors' own reading of the file, damaged files are refused, and a run's model gets the file's values."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hpsearch.errors import UserError
-from hpsearch.train import checkpoints
+from hpsearch.train import bestweights, checkpoints
 from hpsearch.train.tensorfile import TensorFile
 
 
@@ -76,7 +76,7 @@ def test_load_best_puts_the_files_values_in_and_names_a_wrong_file(tmp_path):
     engine = SimpleNamespace(module=model)
     best = {n: torch.randn_like(p) for n, p in model.named_parameters()}
     save_file(best, str(tmp_path / "best.safetensors"))
-    read = checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / "best.safetensors"))
+    read = bestweights.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / "best.safetensors"))
     assert all(torch.equal(p, best[n]) for n, p in model.named_parameters())
     assert read == sum(v.numel() * v.element_size() for v in best.values())
     save_file({k: v for k, v in best.items() if k != "1.bias"}, str(tmp_path / "lacks.safetensors"))
@@ -85,7 +85,7 @@ def test_load_best_puts_the_files_values_in_and_names_a_wrong_file(tmp_path):
     for name, says in (("lacks", "lacks 1.bias"), ("shape", "holds 1.weight in another shape"),
                        ("junk", "is unreadable"), ("missing", "is gone")):
         with pytest.raises(UserError, match=f"best weights .*{name}.safetensors {says}"):
-            checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / f"{name}.safetensors"))
+            bestweights.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / f"{name}.safetensors"))
 
 
 
@@ -104,7 +104,7 @@ def test_a_passing_failure_while_loading_is_not_taken_for_the_checkpoints_fault(
         raise OSError(5, "Input/output error")
     monkeypatch.setattr("hpsearch.train.tensorfile.TensorFile", failing_read)
     with pytest.raises(OSError, match="reading the best weights .* failed .*Input/output error") as e:
-        checkpoints.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / "best.safetensors"))
+        bestweights.load_best(engine, 0, fs.LocalFileSystem(), str(tmp_path / "best.safetensors"))
     assert not isinstance(e.value, UserError) and not deterministic(f"{type(e.value).__name__}: {e.value}")
 
     (tmp_path / "state").mkdir()

@@ -1191,7 +1191,7 @@ def test_a_run_resumed_into_the_folder_of_one_that_went_further_keeps_its_own_ch
     from pyarrow import fs
 
     from hpsearch.config import load_config
-    from hpsearch.train import checkpoints
+    from hpsearch.train import bestweights
     from hpsearch.train.sessions import LocalSession
 
     run = tmp_path / "run" / "checkpoints"
@@ -1211,10 +1211,10 @@ def test_a_run_resumed_into_the_folder_of_one_that_went_further_keeps_its_own_ch
     assert json.loads((run / "step_300" / "report.json").read_text())["mine"]  # this run's step_300 replaced theirs
     assert session.history[0]["checkpoint"] == str(run / "step_200")
     local, folder = fs.LocalFileSystem(), str(run / "best")
-    assert checkpoints.best_weights_path(local, folder, 100, 0) == f"{folder}/step_100.safetensors"
-    assert checkpoints.best_weights_path(local, folder, 200, 0) == f"{folder}/step_200.1.safetensors"
+    assert bestweights.best_weights_path(local, folder, 100, 0) == f"{folder}/step_100.safetensors"
+    assert bestweights.best_weights_path(local, folder, 200, 0) == f"{folder}/step_200.1.safetensors"
     (run / "best" / "step_200.1.safetensors").write_bytes(b"mine")
-    assert checkpoints.best_weights_path(local, folder, 200, 0) == f"{folder}/step_200.2.safetensors"
+    assert bestweights.best_weights_path(local, folder, 200, 0) == f"{folder}/step_200.2.safetensors"
 
 def test_a_rank_entering_staging_while_others_leave_it_gets_its_folder(tmp_path, monkeypatch):
     """Each rank leaving its staging folder removes `.staging` once it is empty, which can fall between another

@@ -6,7 +6,8 @@
 The one package that knows DeepSpeed. The same `train_loop` runs in Ray Train workers (`build_trainer`, also used
 by the search) and, with `--local`, in this process without Ray, for debugging. One concern a file: `dsconfig`
 (the DeepSpeed config), `sessions` (where reports and checkpoints go), `loop` (the loop on each rank), `evaluate`
-(validation and test scoring), `launch` (Ray and Ray Train), `rendezvous` and `torchconfig` (the ranks'
+(validation and test scoring), `checkpoints` (loading them weights-only, resume checks, which one a run continues
+from), `bestweights` (the best weights: written once, each rank reading its own part), `launch` (Ray and Ray Train), `rendezvous` and `torchconfig` (the ranks'
 torch.distributed store, on the node's address), `startup` (where a run's start-up goes), `__main__` (the command
 line).
 

@@ -14,7 +14,7 @@ import torch
 from hpsearch.config import load_config
 from hpsearch.errors import UserError, disk_full
 from hpsearch.model import backbones
-from hpsearch.train import checkpoints, hostmem, startup
+from hpsearch.train import bestweights, checkpoints, hostmem, startup
 from hpsearch.train.build import ModelBuilder, release, unique_parameters, use_zero_init
 from hpsearch.train.dsconfig import auto_zero_stage, deepspeed_config, optimizer_and_schedule
 from hpsearch.train.launch import free_port
@@ -285,10 +285,10 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
                 if metrics["score"] > best["score"]:  # weights only, once; later checkpoints refer to them
                     filesystem, folder = session.best_dir()
                     best = {"score": metrics["score"], "step": step,
-                            "weights": checkpoints.best_weights_path(filesystem, folder, step, rank),
+                            "weights": bestweights.best_weights_path(filesystem, folder, step, rank),
                             "tasks": {k: v for k, v in metrics.items()
                                       if k.startswith("task/") and k.endswith("/score")}}
-                    checkpoints.save_best(engine, rank, filesystem, best["weights"])
+                    bestweights.save_best(engine, rank, filesystem, best["weights"])
                 # what the run delivers so far: its best step's suite score, and each task's score at that step
                 metrics.update(best_score=best["score"], best_step=best["step"],
                                **{f"best_{k}": v for k, v in best.get("tasks", {}).items()})
@@ -377,7 +377,7 @@ def finish(engine, objective, cfg, rank, best, session) -> dict:
     if best.get("weights"):
         if best["step"] != cfg.train.max_steps:  # else the engine holds them already
             filesystem, _ = session.best_dir()
-            checkpoints.load_best(engine, rank, filesystem, best["weights"])
+            bestweights.load_best(engine, rank, filesystem, best["weights"])
     else:  # no validation score ever (no validation rows): the last weights are the result
         best = {"score": best["score"], "step": cfg.train.max_steps}  # finish() runs at the last step
     return {**objective.finish(engine, best), "best_step": best["step"], "final": 1.0,

@@ -46,7 +46,7 @@ def gathered_state(engine, rank: int, use) -> None:
     """Call `use(state)` on rank 0 with the full state dict on the CPU; every rank must call this. Under ZeRO-3 the
     parameters are gathered one at a time, so rank 0 alone builds the full CPU copy and no other rank ever holds
     more than one whole parameter beyond its shard (a t5-3b export does not put the model on every rank)."""
-    from hpsearch.train.checkpoints import gather_on_rank0
+    from hpsearch.train.bestweights import gather_on_rank0
 
     state = gather_on_rank0(engine.module.state_dict(keep_vars=True).items(), rank)
     if rank == 0:

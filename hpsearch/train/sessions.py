@@ -1,8 +1,8 @@
 """Where a rank's reports and checkpoints go: stdout and a local folder (`--local`), or Ray Train.
 
 Both also keep the best weights (`best_dir()`, a folder of a pyarrow filesystem: `best/step_<N>.safetensors`, or
-`step_<N>.<k>.safetensors` when that name is another run's (checkpoints.best_weights_path), written once when
-validation improves, see checkpoints.save_best); every checkpoint refers to the version it needs (its
+`step_<N>.<k>.safetensors` when that name is another run's (bestweights.best_weights_path), written once when
+validation improves, see bestweights.save_best); every checkpoint refers to the version it needs (its
 `best.json`), and `prune_best` removes the versions no kept checkpoint refers to."""
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from rows import rank_batch  # noqa: E402
 from hpsearch.config import load_config  # noqa: E402
 from hpsearch.model import build_model  # noqa: E402
 from hpsearch.train import deepspeed_config, optimizer_and_schedule  # noqa: E402
-from hpsearch.train.checkpoints import gather_on_rank0  # noqa: E402
+from hpsearch.train.bestweights import gather_on_rank0  # noqa: E402
 from hpsearch.train.loop import gradient_sync  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
 

@@ -2,7 +2,7 @@
 (the three HyperPrompt variants, MTL, prompt tuning, adapter, HyperFormer++, prefix tuning, LoRA, MAM): training
 steps, synced generation with the task tensors generated and frozen (`freeze_task_params`, as evaluation does), and
 LoRA's single-task merge under `GatheredParameters`, and the best weights written and read back
-(`checkpoints.save_best` / `load_best`, one parameter gathered at a time), also with every parameter persistent; and
+(`bestweights.save_best` / `load_best`, one parameter gathered at a time), also with every parameter persistent; and
 after each method the DeepSpeed engines still alive once its engine is released (`build.release`) and collected.
 
 Writes a JSON report per rank to argv[1]; tests/test_zero3.py asserts on it.
@@ -21,8 +21,8 @@ from pyarrow import fs  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from hpsearch.model import build_model  # noqa: E402
+from hpsearch.train.bestweights import load_best, save_best  # noqa: E402
 from hpsearch.train.build import release  # noqa: E402
-from hpsearch.train.checkpoints import load_best, save_best  # noqa: E402
 from hpsearch.train.ops import load_ops  # noqa: E402
 from hpsearch.train.startup import freeze_imports  # noqa: E402
 
