@@ -3,13 +3,13 @@
 
     python -m hpsearch.train [--config FILE.yaml] [--local] [--resume-from DIR] [key=value ...]
 
-The one package that knows DeepSpeed. The same `train_loop` runs in Ray Train workers (`build_trainer`, also used
-by the search) and, with `--local`, in this process without Ray, for debugging. One concern a file: `dsconfig`
-(the DeepSpeed config), `sessions` (where reports and checkpoints go), `loop` (the loop on each rank), `evaluate`
+The one package that knows DeepSpeed. The same `train_loop` runs in Ray Train workers (`build_trainer`, also used by
+the search) and, with `--local`, in this process without Ray, for debugging. One concern a file: `dsconfig` (the
+DeepSpeed config), `sessions` (where reports and checkpoints go), `loop` (the loop on each rank), `evaluate`
 (validation and test scoring), `checkpoints` (loading them weights-only, resume checks, which one a run continues
-from), `bestweights` (the best weights: written once, each rank reading its own part), `launch` (Ray and Ray Train), `rendezvous` and `torchconfig` (the ranks'
-torch.distributed store, on the node's address), `startup` (where a run's start-up goes), `__main__` (the command
-line).
+from), `bestweights` (the best weights: written once, each rank reading its own part), `launch` (Ray and Ray Train),
+`rendezvous` and `torchconfig` (the ranks' torch.distributed store, on the node's address), `startup` (where a run's
+start-up goes), `__main__` (the command line).
 
 The names below are imported when first used: Ray Train's controller and workers unpickle the loop's entry point
 and the rendezvous config from this package, and importing DeepSpeed, transformers and the model library there
