@@ -134,7 +134,8 @@ def test_generators_are_a_few_batched_products_whatever_the_depth(name):
         with _Ops() as forward:
             table = model.task_context(torch.tensor([2, 0, 2, 0])).table
         tensors = [t for v in table.values() for t in (v if isinstance(v, tuple) else (v,))]
-        assert len(table) >= 2 * layers and all(t.requires_grad for t in tensors)  # a table per block, generated
+        blocks = layers if name == "pha" else 2 * layers  # PHA generates the decoder's adapters only
+        assert len(table) >= blocks and all(t.requires_grad for t in tensors)  # a table per block, generated
         with _Ops() as backward:
             sum(t.sum() for t in tensors).backward()
         counts.append({op: forward.names[op] for op in products if forward.names[op]})
@@ -269,12 +270,13 @@ def expected_extra(name, shape, T) -> int:
             return prefix
         b = kw["bottleneck"]
         return prefix + T * (Le + Ld) * ((d * b + b) + (b * d + d))           # one D, c, U, u per task and FFN
-    if method == "pha":
-        b, p, r, h, M = kw["bottleneck"], kw["pha_dim"], kw["pha_retriever_hidden"], kw["pha_hidden"], Le + Ld
-        return (T * p + M * p                                                  # prototypes, block embeddings
+    if method == "pha":  # the decoder's adapters generated, the encoder's one per block for every task
+        b, p, r, h, M = kw["bottleneck"], kw["pha_dim"], kw["pha_retriever_hidden"], kw["pha_hidden"], Ld
+        return (T * p + M * p                                                  # prototypes, decoder block embeddings
                 + (d * r + r) + (r * p + p)                                    # retriever d -> r -> p
                 + (2 * p * h + h) + (h * p + p) + 2 * p                        # hypernetwork 2p -> h -> p, LN
-                + (p * b * d + b * d) + (p * b + b) + (p * d * b + d * b) + (p * d + d))  # heads D, c, U, u
+                + (p * b * d + b * d) + (p * b + b) + (p * d * b + d * b) + (p * d + d)  # heads D, c, U, u
+                + Le * (b * d + b + d * b + d))                                # the encoder's shared adapters
     if method == "lora":
         r = kw["lora_rank"]
         return T * (Le + Ld) * 2 * (r * d + di * r)                            # A [r, d], B [d_i, r] for q and v
@@ -734,7 +736,7 @@ def parallel_branch_by_hand(name, model, side, layer, x, task_ids):
     out = []
     for row, t in enumerate(task_ids.tolist()):
         if name == "pha":
-            D, c, U, u = pha_weights_by_hand(model, t, model.blocks.index((side, layer)))
+            D, c, U, u = pha_weights_by_hand(model, t, side, layer)
             s = 1.0
         else:
             a = model.adapters[f"{side}_{layer}" if name == "mam" else f"{side}_{layer}_ffn"]
@@ -762,9 +764,13 @@ def test_parallel_adapters_are_added_after_t5s_dropout(name, batch):
 
 
 # ---- PHA -----------------------------------------------------------------------------------------------------
-def pha_weights_by_hand(model, task: int, block: int):
-    """D, c, U, u of one (task, block) from the raw parameters: [k; e] -> W1, ReLU, W2, LayerNorm -> heads."""
-    k, e = model.prototypes.weight[task], model.block_embeddings.weight[block]
+def pha_weights_by_hand(model, task: int, side: str, layer: int):
+    """D, c, U, u of one (task, block) from the raw parameters: in the decoder, [k; e] -> W1, ReLU, W2, LayerNorm
+    -> heads; in the encoder, the block's own adapter, the same for every task (upstream's `manual` adapter)."""
+    if side == "encoder":
+        a = model.encoder_adapters[layer]
+        return a.down_weight[0], a.down_bias[0], a.up_weight[0], a.up_bias[0]
+    k, e = model.prototypes.weight[task], model.block_embeddings.weight[layer]
     (w1, _, w2, ln) = model.hypernet
     i = torch.relu(torch.cat([k, e]) @ w1.weight.T + w1.bias) @ w2.weight.T + w2.bias
     i = (i - i.mean()) / torch.sqrt(i.var(unbiased=False) + ln.eps) * ln.weight + ln.bias
@@ -778,12 +784,11 @@ def pha_weights_by_hand(model, task: int, block: int):
 def test_pha_feed_forward_equals_parallel_adapter_recomputed_from_raw_parameters(side, layer, batch):
     model = perturb(make("pha"))
     ff, h, got = feed_forward_in_out(model, side, layer, batch)
-    block = model.blocks.index((side, layer))
     with torch.no_grad():
         x = ff.layer_norm(h)
         out = []
         for row, t in enumerate(batch["task_ids"].tolist()):
-            D, c, U, u = pha_weights_by_hand(model, t, block)
+            D, c, U, u = pha_weights_by_hand(model, t, side, layer)
             out.append(h[row] + ff.DenseReluDense(x[row]) + torch.relu(x[row] @ D.T + c) @ U.T + u)
         want = torch.stack(out)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -803,18 +808,17 @@ def test_pha_training_loss_is_lm_plus_weighted_contrastive_terms_written_out(bat
         cos = lambda a, b: float(a @ b / (a.norm() * b.norm()))
         t, n = 0.5, len(ids)
         ir, anchors = 0.0, 0
-        for i in range(n):  # instance-instance InfoNCE: positives are the other rows of the same task
+        for i in range(n):  # SupCon (upstream's _ins_ins_loss): the mean over the other rows of the same task
             pos = [j for j in range(n) if j != i and ids[j] == ids[i]]
             if not pos:
                 continue
             anchors += 1
-            num = sum(math.exp(cos(z[i], z[j]) / t) for j in pos)
             den = sum(math.exp(cos(z[i], z[j]) / t) for j in range(n) if j != i)
-            ir += -math.log(num / den)
+            ir += sum(-math.log(math.exp(cos(z[i], z[j]) / t) / den) for j in pos) / len(pos)
         ir /= anchors
-        protos = model.prototypes.weight
+        protos = model.prototypes.weight  # its own prototype against the others (upstream's _pro_ins_loss)
         pro = sum(-math.log(math.exp(cos(z[i], protos[ids[i]]) / t)
-                            / sum(math.exp(cos(z[i], protos[k]) / t) for k in range(len(TASKS))))
+                            / sum(math.exp(cos(z[i], protos[k]) / t) for k in range(len(TASKS)) if k != ids[i]))
                   for i in range(n)) / n
     assert anchors == 2  # rows 0 and 3 share task 0; tasks 1 and 2 have one row each
     assert abs(out.aux_losses["ir_loss"].item() - ir) <= 1e-5
@@ -825,6 +829,32 @@ def test_pha_training_loss_is_lm_plus_weighted_contrastive_terms_written_out(bat
     assert abs(trained.lm_loss.item() - lm.item()) <= 1e-5  # (no dropout in this config)
     assert abs(trained.loss.item() - (lm.item() + 0.3 * (ir + pro))) <= 1e-5
 
+
+
+def test_pha_conditions_the_decoder_only_and_its_generated_adapters_start_near_zero(batch):
+    """As PHA's code lays it out (its GLUE config: encoder adapter `manual`, decoder adapter `pro-hyper`): the
+    encoder's adapters are the same for every task, so its output (and the retriever's z) carries no task label the
+    contrastive losses could read; only the decoder's adapters come from the prototypes, through heads initialised
+    hyperfan-in (upstream's `hyperfanin_init_weight` / `_bias`: U(+-1e-3 sqrt(3 / fan_in)), bias 0), so they start
+    near zero (N(0, 0.01^2) heads made them 60-80 % of their input at t5-small). With one task there is no other
+    prototype: the prototype loss is 0, with finite gradients."""
+    model = perturb(make("pha"))
+    with torch.no_grad():
+        one = model(**batch).encoder_last_hidden_state
+        other = model(**{**batch, "task_ids": (batch["task_ids"] + 1) % len(TASKS)}).encoder_last_hidden_state
+    torch.testing.assert_close(one, other)
+    assert all(side == "decoder" for side, _ in model.blocks) and len(model.encoder_adapters) == 2
+    fresh = make("pha", config=tiny_config(d_model=64), bottleneck=16, pha_dim=8)
+    p, d, b = 8, 64, 16
+    for head, fan_in in ((fresh.down_weight, p * d), (fresh.up_weight, p * b), (fresh.down_bias, p),
+                         (fresh.up_bias, p)):
+        bound = 1e-3 * math.sqrt(3 / fan_in)
+        assert head.weight.abs().max() <= bound and head.weight.abs().max() > bound / 2 and not head.bias.any()
+    from hpsearch.model.pha import prototype_loss
+    z = torch.randn(4, 5, requires_grad=True)
+    loss = prototype_loss(z, torch.randn(1, 5), torch.zeros(4, dtype=torch.long), 0.1)
+    loss.backward()
+    assert loss.item() == 0 and torch.isfinite(z.grad).all()
 
 
 def test_pha_means_count_their_rows_and_tokens_exactly_in_bf16():
