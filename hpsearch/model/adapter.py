@@ -30,7 +30,7 @@ from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext, row_lin
 
 
 def normal_linear(d_in: int, d_out: int, std: float = 1e-2) -> nn.Linear:
-    """nn.Linear with weights N(0, std^2) and zero bias (HyperFormer's init of its hypernetworks; PHA's too)."""
+    """nn.Linear with weights N(0, std^2) and zero bias (HyperFormer's init of its hypernetworks)."""
     layer = nn.Linear(d_in, d_out)
     nn.init.normal_(layer.weight, std=std)
     nn.init.zeros_(layer.bias)
