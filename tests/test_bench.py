@@ -84,6 +84,21 @@ def test_smoke_tiny_shape_json_fields():
     # the HyperPrompt step does more arithmetic than MTL's (its generators, its longer attention)
     assert figures["step/hyperprompt-global_vs_mtl"]["parts"]["flop_ratio"] > 1
     assert {"deepspeed/zero3_vs_torch", "deepspeed/zero0_vs_torch"} <= set(figures)
+    # each figure times what its name says against what it is divided by, with the issue's goal and direction
+    # (written out here: a goal, a direction or a denominator changed in the code fails this)
+    expected = {"step/mtl_vs_stock": ("step:mtl", "step:stock", 1.01, "max"),
+                "generate/mtl_vs_stock": ("generate:mtl", "generate:stock", 1.01, "max"),
+                "deepspeed/zero3_vs_torch": ("zero3", "torch", 1.10, "max")}
+    for v in ("global", "share", "sep"):
+        row = f"hyperprompt-{v}"
+        expected[f"step/{row}_vs_mtl"] = (f"step:{row}", "step:mtl", 1.03, "max")
+        expected[f"generate/{row}_vs_mtl"] = (f"generate:{row}", "generate:mtl", 1.01, "max")
+    for name, (num, den, goal, direction) in expected.items():
+        f = figures[name]
+        assert (f["parts"]["numerator"], f["parts"]["denominator"], f["goal"], f["goal_is"]) == \
+            (num, den, pytest.approx(goal), direction), name
+    for row in ("stock", "hyperprompt-global"):
+        assert (figures[f"flops/{row}_mfu"]["goal"], figures[f"flops/{row}_mfu"]["goal_is"]) == (0.5, "min")
 
 
 def test_the_timed_batch_has_the_shape_asked_for():
@@ -271,7 +286,12 @@ def test_study_group_tiny_shape():
     from hpsearch.bench import study
 
     figures, errors = study.run_study("t5-tiny", lambda text: None, groups=("auto",), trials=2, warm_up=False)
-    assert not errors and [f.name for f in figures] == ["study/fixed_cost_in_actor"], errors
+    if errors:  # at t5-tiny one more in-actor trial costs about a second, within the noise of a study's start (CI
+        # saw 28.20 s vs 28.08 s): a negative cost is no figure (it met the goal), said with the walls it came from
+        assert not figures and errors["study"].startswith("study/fixed_cost_in_actor: not measured: wall times "), \
+            errors
+        return
+    assert [f.name for f in figures] == ["study/fixed_cost_in_actor"], errors
     (f,) = figures
     assert f.parts["trials"] == [1, 2] and f.parts["steps"] == study.STEPS == 8
     (w1, w2), (s1, s2) = f.parts["wall_s"], f.parts["training_s"]
@@ -333,3 +353,41 @@ def test_timing_pool_skips_what_was_alive_and_frees_it_after():
     del model
     gc.collect()
     assert ref() is None  # and collectable again
+
+
+def test_a_checkpoint_run_that_wrote_nothing_is_not_measured(monkeypatch):
+    """Every checkpoint goal is an upper bound: a run that wrote no best weights, kept no checkpoint and exported
+    no model met all four with zeros (found by an independent review). It is reported as not measured."""
+    import json as json_
+
+    from hpsearch.bench import trial
+
+    def hollow(args, cwd, log, env=None, script=None):  # a run that writes its metrics and nothing else
+        out = Path(next(a for a in args if a.startswith("train.output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 1, "score": 1.0}\n{"step": 2, "score": 2.0}\n')
+        Path(env["HPSEARCH_BENCH_IO"]).write_text(json_.dumps({"wchar": 1000}))
+
+    monkeypatch.setattr(trial, "_train", hollow)
+    figures, errors = trial.run_checkpoint("t5-tiny", lambda text: None)
+    assert figures == [] and errors["checkpoint"].startswith("not measured: the run left no best weights, no "
+                                                             "checkpoint kept, no exported model"), errors
+
+
+def test_a_method_whose_step_leaves_parameters_untrained_is_no_figure():
+    """A row whose parameters get no gradient (a generator run under no_grad, prompts detached) met its step goal
+    (it did less work; found by an independent review): the step's untimed first call finds them and the row is
+    an error, not a figure."""
+    import torch
+
+    from hpsearch.bench.models import build_rows, make_batch, train_step
+    from hpsearch.bench.rows import BatchShape
+
+    models, _ = build_rows("t5-tiny", 2, ["hyperprompt-global"])
+    model = models["hyperprompt-global"]
+    batch = make_batch(models["stock"].config.vocab_size, 2, "task", BatchShape(4, 8, 2))
+    train_step(model, "hyperprompt-global", batch)()  # every trained parameter has its gradient
+    model.unused = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"hyperprompt-global: its step leaves 1 trained parameters without a "
+                                           r"gradient \(unused\)"):
+        train_step(model, "hyperprompt-global", batch)()

@@ -60,9 +60,16 @@ def _inputs(row: str, batch: dict) -> dict:
 def train_step(model, row: str, batch: dict):
     inputs = _inputs(row, batch)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, fused=True)  # as trained
+    checked = []
 
     def step():
         model(**inputs).loss.backward()
+        if not checked:  # the first call (the untimed warm-up): a row whose parameters the step does not train is
+            idle = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]  # no figure
+            if idle:
+                raise RuntimeError(f"{row}: its step leaves {len(idle)} trained parameters without a gradient "
+                                   f"({', '.join(idle[:3])})")
+            checked.append(True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step

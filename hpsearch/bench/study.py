@@ -58,10 +58,14 @@ def _study(shape: str, tmp: Path, name: str, trials: int, workers: int, worker_g
         last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "(no output)")
         raise RuntimeError(f"hpsearch.tune ({trials} trials, worker_group={worker_group}) exited "
                            f"{proc.returncode}: {last[:300]}")
-    training = 0.0
+    training, finished = 0.0, 0
     for metrics in (storage / name / "trials").glob("*/metrics.jsonl"):
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         training += sum(row["step_time"] * STEPS for row in rows[-1:])  # one evaluation, at the last step
+        finished += bool(rows) and rows[-1].get("step") == STEPS
+    if finished != trials:  # the study exits 0 unless every trial failed: fewer trials make a smaller difference
+        raise RuntimeError(f"hpsearch.tune ({trials} trials, worker_group={worker_group}): {finished} of them "
+                           f"trained their {STEPS} steps")
     return wall, training
 
 
@@ -84,6 +88,9 @@ def run_study(shape: str, log, groups=tuple(CASES), trials: int = TRIALS,
                     points[n] = _study(shape, tmp, f"{group}-{n}", n, workers, worker_group, log)
                 (w1, s1), (wn, sn) = points[1], points[trials]
                 fixed = ((wn - w1) - (sn - s1)) / (trials - 1)
+                if fixed < 0:  # the studies' noise exceeds what they measure (a negative cost met the goal)
+                    raise RuntimeError(f"{name}: not measured: wall times {w1:.1f} s and {wn:.1f} s, training "
+                                       f"{s1:.1f} s and {sn:.1f} s give a fixed cost of {fixed:.1f} s")
                 figures.append(Figure(name, fixed, goal, "lower", "s", what, parts={
                     "steps": STEPS, "trials": [1, trials], "workers": workers, "wall_s": [w1, wn],
                     "training_s": [s1, sn]}))

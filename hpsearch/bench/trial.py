@@ -115,9 +115,14 @@ def run_trial(shape: str, log) -> tuple[list, dict]:
                     runs[mode][steps] = _train(["--local", *args] if mode == "local" else args, tmp, log)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             return [], {"trial": str(e)[:400]}
-    figures = []
+    figures, errors = [], {}
     for mode, goal in (("ray", FIXED_COST_GOAL), ("local", None)):
         fixed, per_step = _intercept({n: r.wall for n, r in runs[mode].items()})
+        if fixed < 0 or per_step <= 0:  # the runs' noise exceeds what they measure (a negative cost met the goal)
+            walls = ", ".join(f"{r.wall:.1f} s" for r in runs[mode].values())
+            errors[f"trial/{mode}"] = (f"not measured: wall times {walls} give a fixed cost of {fixed:.1f} s and "
+                                       f"{per_step:.3f} s a step")
+            continue
         what = ("fixed cost of a trial, `python -m hpsearch.train` (Ray Train): intercept of wall time vs steps"
                 if mode == "ray" else "fixed cost of `python -m hpsearch.train --local` (no Ray; contrast)")
         figures.append(Figure(f"trial/{'fixed_cost' if mode == 'ray' else 'local_fixed_cost'}", fixed, goal,
@@ -128,7 +133,7 @@ def run_trial(shape: str, log) -> tuple[list, dict]:
                           "Ray trial: start to the end of step 1, the shorter of the two runs (contrast); parts: "
                           "its start-up phases", parts={"phases_s": first.startup,
                                                         "runs": {str(n): r.to_json() for n, r in runs["ray"].items()}}))
-    return figures, {}
+    return figures, errors
 
 
 def _bytes(root: Path, where=lambda rel: True) -> int:
@@ -181,6 +186,15 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
         kept = sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir())
         copied = _bytes(out / "checkpoints", lambda rel: rel.parts[0].startswith("step_") and "best" in rel.parts[1:])
         on_disk = _bytes(out / "checkpoints") if kept else 0
+    # a run that wrote no best weights, kept no checkpoint or exported no model would meet every upper-bound goal
+    # below with zeros: that is a broken run, not a figure
+    missing = [what for what, bad in (("no best weights", not versions), ("no checkpoint kept", not kept),
+                                      ("no exported model", not export), ("no evaluation", not evaluations),
+                                      ("a best version that is not the weights", best < 0.9 * weights),
+                                      ("an export that is not the weights", export < 0.9 * weights)) if bad]
+    if missing:
+        return [], {"checkpoint": f"not measured: the run left {', '.join(missing)} ({evaluations} evaluations, "
+                                  f"{len(versions)} best versions, {len(kept)} checkpoints kept)"}
     # per evaluation that writes resumable state (every one but the last), so that a second copy of the state
     # shows (averaged with the last evaluation's result-only write, it looked like 3.5x against a goal of 4)
     state_evals = max(evaluations - 1, 1)
