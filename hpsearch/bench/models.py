@@ -90,25 +90,23 @@ def has_generators(model) -> bool:
     return isinstance(model, MultiTaskT5) and type(model).fills_in("generate_task_tensors")
 
 
-def _call_first(model, *names) -> None:
-    """Call the first of these methods the model has (the library renamed freeze_prompts -> freeze_task_params)."""
-    for name in names:
-        if hasattr(model, name):
-            getattr(model, name)()
-            return
-
-
 def _frozen(model):
     def setup():
         model.eval()
-        _call_first(model, "freeze_task_params", "freeze_prompts")
+        if hasattr(model, "freeze_task_params"):  # stock T5 has nothing to freeze
+            model.freeze_task_params()
+            if has_generators(model) and not model.task_params_frozen:  # else "frozen" would time generation
+                raise RuntimeError(f"{type(model).__name__}: freeze_task_params() left its task tensors unfrozen")
     return setup
 
 
 def _dynamic(model):
     def setup():
         model.eval()
-        _call_first(model, "unfreeze_task_params", "unfreeze_prompts")
+        if hasattr(model, "unfreeze_task_params"):
+            model.unfreeze_task_params()
+            if model.task_params_frozen:
+                raise RuntimeError(f"{type(model).__name__}: unfreeze_task_params() left its task tensors frozen")
     return setup
 
 
