@@ -213,7 +213,8 @@ def test_resume_without_a_study_and_a_second_start_are_one_line_errors(tmp_path)
 
 
 def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_path):
-    from hpsearch.tune.cli import _claim, parse_args, prepare
+    from hpsearch.tune.cli import parse_args, prepare
+    from hpsearch.tune.prepare import claim
 
     runs = tmp_path / "runs"
     first, _ = prepare(parse_args(["--storage-path", str(runs)]))
@@ -227,7 +228,7 @@ def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_
         prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
     # both past that check at once: the second to create the folder stops
     with pytest.raises(UserError, match="--name s1: a study of that name has just started in"):
-        _claim(named.storage, "s1", named.dir, False, "default", set())
+        claim(named.storage, "s1", named.dir, False, "default", set())
     again, _ = prepare(parse_args(["--storage-path", str(runs)]))
     assert again.name == "default-3"
     with pytest.raises(UserError, match="the study 'default-3' .* saved no state yet"):  # the newest; no state here
@@ -263,16 +264,16 @@ def test_a_trial_that_fits_the_host_but_not_the_containers_cpu_limit_is_one_line
     warning silenced (found by an independent review). Ray's own cgroup reading is made to see a 1.5-CPU limit."""
     import ray._private.utils as ray_utils
 
-    from hpsearch.tune.cli import _check_fits
+    from hpsearch.tune.prepare import check_fits
 
     space = load_space(write(tmp_path, BASE))  # 2 workers x 0.9 CPU + 0.1 for the trial's driver
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(ray_utils.multiprocessing, "cpu_count", lambda: 4)
-    _check_fits(space)  # fits the host's 4
+    check_fits(space)  # fits the host's 4
     monkeypatch.setattr(ray_utils, "_get_docker_cpus", lambda *a, **k: 1.5)
     with pytest.raises(UserError, match=r"one trial needs 1.9 CPU \(2 workers x 0.9 \+ 0.1 for the trial's driver\) "
                                         r"but this machine has 1 \(as Ray counts them: a container's CPU limit"):
-        _check_fits(space)
+        check_fits(space)
 
 
 def test_the_time_budget_counts_while_the_driver_runs_and_stops_the_searcher(monkeypatch, tmp_path):

@@ -47,13 +47,7 @@ def prepare(args: argparse.Namespace):
     from hpsearch.compare.spec import MAX_SEEDS, load_spec
     from hpsearch.config import absolute_paths
     from hpsearch.tracking import DEFAULT_TRACKING_URI, check_experiment_active, resolve_tracking_uri
-    from hpsearch.tune.cli import (
-        _check_backbone,
-        _check_fits,
-        _claim,
-        _next_free_study,
-        _study_dir,
-    )
+    from hpsearch.tune.prepare import check_backbone, check_fits, claim, next_free_study, study_folder
     from hpsearch.tune.storage import open_storage
 
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
@@ -65,8 +59,8 @@ def prepare(args: argparse.Namespace):
     storage = open_storage(args.storage_path)
     notes = apply_best(spec, storage, args.from_study) if args.from_study else []
     uri = resolve_tracking_uri(args.tracking_uri or DEFAULT_TRACKING_URI)
-    name = args.name or _next_free_study(storage, spec.name)
-    where = _study_dir(storage, name, "--name" if args.name else f"{spec_path}: name:")
+    name = args.name or next_free_study(storage, spec.name)
+    where = study_folder(storage, name, "--name" if args.name else f"{spec_path}: name:")
     if storage.exists(name):
         raise ConfigError(f"--name {name}: a study or comparison of that name already exists in {where}; choose "
                           "another --name")
@@ -74,16 +68,16 @@ def prepare(args: argparse.Namespace):
         absolute_paths(cfg)
     tasks = _tasks(spec.config)
     for entry in spec.entries():
-        _check_backbone(entry.config)
+        check_backbone(entry.config)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
-        _check_fits(spec)
+        check_fits(spec)
     check_experiment_active(uri, name)  # deleted in the MLflow UI: it would take no runs
     # the checks above need no torch; building each configuration on the meta device (which also checks that it
     # builds) imports torch and the model library (~5 s); then the storage folder is made (the last check)
     sizes = {entry.label: backbone_size(entry.config, tasks) for entry in spec.entries()}
     storage.check_writable()
     # last: the name is this comparison's from now on (two started together took one name)
-    name, where = _claim(storage, name, where, args.name is None, spec.name, set(), then="choose another --name")
+    name, where = claim(storage, name, where, args.name is None, spec.name, set(), then="choose another --name")
     state = {"name": name, "spec_path": str(spec_path), "spec_text": spec.text, "overrides": overrides,
              "from_study": args.from_study, "tracking_uri": uri}
     from hpsearch.compare.run import Comparison  # Ray Tune: after the checks, so a mistake is said at once

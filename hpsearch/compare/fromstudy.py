@@ -36,11 +36,11 @@ class StudyTrial:
 def study_dir(storage_path, name: str) -> Path:
     """The finished study's local folder (from a bucket: its local mirror, refreshed with the study's state, space
     copy and exports)."""
-    from hpsearch.tune.cli import _study_dir
+    from hpsearch.tune.prepare import study_folder
     from hpsearch.tune.storage import open_storage
 
     storage = open_storage(str(storage_path)) if isinstance(storage_path, (str, Path)) else storage_path
-    where = _study_dir(storage, name, "--from-study")
+    where = study_folder(storage, name, "--from-study")
     storage.pull(name, STATE_FILE, SPACE_COPY)
     storage.pull_each(name, "trials", "config.yaml", "metrics.jsonl", "FAILED")  # what finished_trials reads
     if not (where / STATE_FILE).is_file():

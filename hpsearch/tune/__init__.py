@@ -7,5 +7,7 @@
 - `searcher`: OptunaSearch that records ASHA-stopped trials as pruned
 - `trialruns`: the Tune callback giving each trial its MLflow child run (the runs themselves: hpsearch.tracking)
 - `report`: best trial, trial table, Pareto front, importances, plots
-- `cli`: the command line
+- `prepare`: everything a study needs, validated before Ray or MLflow start; study names (the next free one, the
+  newest) and the claim that keeps two starts from sharing one (shared with hpsearch.compare)
+- `cli`: the command line: the run, its end and its report
 """
