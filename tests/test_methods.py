@@ -857,6 +857,46 @@ def test_pha_conditions_the_decoder_only_and_its_generated_adapters_start_near_z
     assert loss.item() == 0 and torch.isfinite(z.grad).all()
 
 
+def test_pha_instance_loss_is_the_supervised_contrastive_mean_over_each_rows_positives():
+    """Upstream's `_ins_ins_loss`, written out, on rows with two and three positives (with one positive each, the
+    mean over positives equals the log of their summed probability, the multi-positive InfoNCE it replaced); rows
+    without a partner or without a row of another task (a one-task batch) count for nothing."""
+    from hpsearch.model.pha import instance_loss
+
+    torch.manual_seed(3)
+    z, ids, t = torch.randn(7, 4), torch.tensor([0, 0, 0, 1, 1, 2, 0]), 0.5
+    cos = lambda a, b: float(a @ b / (a.norm() * b.norm()))
+    terms = []
+    for i in range(7):
+        pos = [j for j in range(7) if j != i and ids[j] == ids[i]]
+        if pos:
+            den = sum(math.exp(cos(z[i], z[a]) / t) for a in range(7) if a != i)
+            terms.append(sum(-math.log(math.exp(cos(z[i], z[j]) / t) / den) for j in pos) / len(pos))
+    assert abs(instance_loss(z, ids, t).item() - sum(terms) / len(terms)) <= 1e-5
+    one_task = z.clone().requires_grad_()
+    loss = instance_loss(one_task, torch.zeros(7, dtype=torch.long), t)
+    loss.backward()
+    assert loss.item() == 0 and not one_task.grad.any()
+
+
+def test_an_export_of_the_earlier_pha_layout_is_one_line_saying_so(tmp_path):
+    """PHA's exports from before its encoder's adapters were shared (block embeddings for every block of both
+    stacks) do not fit: torch raised a size mismatch as a traceback; the error says which version wrote them."""
+    from safetensors.torch import load_file, save_file
+
+    from hpsearch.errors import ConfigError
+    save_export(make("pha"), tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    old = {k: v for k, v in weights.items() if not k.startswith("encoder_adapters.")}
+    old["block_embeddings.weight"] = torch.cat([weights["block_embeddings.weight"]] * 2)  # [L_enc + L_dec, p]
+    save_file(old, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"export does not match the model .*another shape \['block_embeddings"
+                                          r".weight'\]\); it was written by an earlier hpsearch \(PHA then "
+                                          r"generated the encoder's adapters from the task too\).*git checkout "
+                                          r"8667c60"):
+        build_model(str(tmp_path))
+
+
 def test_pha_means_count_their_rows_and_tokens_exactly_in_bf16():
     """bf16 holds whole numbers exactly only up to 256: the contrastive loss's mean over its anchor rows and the
     retriever's mean over a row's tokens count them exactly (514 anchors counted in bf16 read 512)."""

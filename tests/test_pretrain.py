@@ -400,6 +400,10 @@ def test_a_corpus_folder_needs_no_suite_folder(tmp_path):
     (tmp_path / "a.txt").write_text("some text\n")
     cfg, corpus = load_pretrain_config(None, [f"corpus.path={tmp_path}", "data.source=/no/such/folder"])
     assert corpus.path == str(tmp_path)
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    for source in (str(glue), "/no/such/folder"):  # a suite's own tasks stay valid with it (not synthetic ones)
+        cfg, _ = load_pretrain_config(None, [f"corpus.path={tmp_path}", f"data.source={source}", "data.tasks=cola,rte"])
+        assert cfg.data.source == source and cfg.data.tasks == ["cola", "rte"]
     with pytest.raises(ConfigError, match="data.source: folder '/no/such/folder' does not exist"):
         load_pretrain_config(None, ["data.source=/no/such/folder"])
     with pytest.raises(ConfigError, match="data.temperature"):

@@ -1120,6 +1120,32 @@ def test_failure_reason_is_the_exception_line_not_a_header_or_the_source_that_ra
         "ValueError: bad row"
 
 
+NON_FINITE = """
+import torch, torch.distributed as dist
+from hpsearch.train.loop import non_finite_weights
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+module = torch.nn.Module()
+module.whole = torch.nn.Parameter(torch.tensor([1.0, float("inf"), 2.0]))
+module.shard = torch.nn.Parameter(torch.empty(0))  # ZeRO-3: local shape [0], this rank's partition in ds_tensor
+module.shard.ds_numel, module.shard.ds_process_group = 5, dist.group.WORLD
+part = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, float("nan"), float("nan"), float("nan")])  # 3 of padding
+part.ds_numel = 8
+module.shard.ds_tensor = part
+print(float(non_finite_weights(module)))
+part[2] = float("nan")
+print(float(non_finite_weights(module)))
+"""
+
+
+def test_the_weights_check_counts_a_zero3_partitions_real_elements_only():
+    """Under ZeRO-3 a rank's partition is padded to the same size on every rank, and DeepSpeed never writes the
+    padding (`torch.empty`): whatever the allocator left there was counted, and a NaN bit pattern would stop a
+    healthy run. Only the partition's real elements count (as `bestweights.load_best` reads them)."""
+    run = subprocess.run([sys.executable, "-c", NON_FINITE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["1.0", "2.0"]  # the whole weight's inf; then a real element of the partition
+
+
 def test_window_folds_device_sums_with_the_first_non_finite_step():
     """The loop's device-side sums, written out by hand: micro-step losses averaged over grad_accum per step, tokens
     summed, auxiliary losses averaged like the loss, and the first step whose loss was not finite."""

@@ -39,10 +39,12 @@ class DataConfig:
     cache_dir: str | None = None       # tokenizer and datasets caches; default ~/.cache/hpsearch
     token_cache_mb: float = 2048.0     # token ids kept in <cache_dir>/tokens: least recently used beyond it go; 0: off
 
-    def validate(self) -> None:
+    def validate(self, read: bool = True) -> None:
+        """Every field; `read=False`: the source is not read (pretraining on a corpus folder), so its folder need
+        not exist."""
         from hpsearch.data.tasks import GLUE_TASKS, SYNTHETIC_TASKS, get_task
 
-        if self.source not in SOURCES and not Path(self.source).expanduser().is_dir():
+        if read and self.source not in SOURCES and not Path(self.source).expanduser().is_dir():
             _fail("source", f"folder '{self.source}' does not exist",
                   "'synthetic', 'hub' or a folder laid out <task>/<split>.jsonl")
         if not self.tasks:

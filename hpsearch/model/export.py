@@ -114,11 +114,17 @@ def load_export(directory, build):
     meta = export_meta(directory)
     model = build(ModelConfig(**meta["model"]), meta["tasks"], backbone=T5Config.from_dict(meta["t5_config"]))
     model.cfg.backbone = meta["model"]["backbone"]
-    missing, unexpected = model.load_state_dict(load_weights(directory / "model.safetensors"), strict=False)
-    if missing or unexpected:
-        older = older_layout(unexpected, missing)
+    weights = load_weights(directory / "model.safetensors")
+    own = model.state_dict()
+    reshaped = [n for n, t in weights.items() if n in own and tuple(t.shape) != tuple(own[n].shape)]
+    if reshaped:  # torch's load_state_dict raises on these, strict or not
+        missing, unexpected = [n for n in own if n not in weights], [n for n in weights if n not in own]
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected or reshaped:
+        older = older_layout(unexpected, missing, reshaped)
         raise ConfigError(f"{directory}: export does not match the model (missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]})" + (f"; {older}" if older else ""))
+                          f"{unexpected[:3]}, another shape {reshaped[:3]})" + (f"; {older}" if older else ""))
     return model
 
 
@@ -134,13 +140,25 @@ OLDER_LAYOUTS = {
 }
 
 
-def older_layout(unexpected, missing) -> str | None:
+# parameters whose shape changed, and the names today's model has beside them, with the last commit of the layout
+RESHAPED_LAYOUTS = {
+    "block_embeddings.weight": ("encoder_adapters.", "PHA then generated the encoder's adapters from the task too",
+                                "8667c60"),
+}
+
+
+def older_layout(unexpected, missing, reshaped=()) -> str | None:
     """Why weights an older hpsearch wrote no longer fit (None: not a known older layout): names the weights have
-    that the model does not (`unexpected`) and names the model has that the weights do not (`missing`)."""
+    that the model does not (`unexpected`), names the model has that the weights do not (`missing`), and names
+    both have in other shapes (`reshaped`)."""
     for prefix, (new, why) in OLDER_LAYOUTS.items():
         if any(str(n).startswith(prefix) for n in unexpected) and any(str(n).startswith(new) for n in missing):
             return (f"it was written by hpsearch before 2026-11-27 ({why}): train it again, or load it with that "
                     "version (git checkout 3db69a4)")
+    for name, (new, why, commit) in RESHAPED_LAYOUTS.items():
+        if name in reshaped and any(str(n).startswith(new) for n in missing):
+            return (f"it was written by an earlier hpsearch ({why}): train it again, or load it with that version "
+                    f"(git checkout {commit})")
     return None
 
 

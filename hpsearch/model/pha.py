@@ -4,7 +4,8 @@ As its public code lays it out (Bumble666/PHA, built on HyperDecoders; its GLUE 
 `decoder_adapter: pro-hyper`), with p = `pha_dim`, r = `pha_retriever_hidden`, h = `pha_hidden`, b = `bottleneck`:
 
     encoder       h' = h + dropout(FFN(LN h)) + U_m ReLU(D_m LN h + c_m) + u_m   one adapter per block, shared by
-                                               every task (the encoder's output, and so z, knows no task label)
+                                               every task (the encoder's output, and so z, knows no task label);
+                                               Xavier-uniform with gain 1e-4, biases 0, as upstream's
     z_i   = G(mean_n enc_i,n)                  instance-dense retriever G: Linear(d, r) -> ReLU -> Linear(r, p), on
                                                the mean of row i's encoder output over its real tokens
     k_tau                                      learned task prototypes [T, p]
@@ -17,7 +18,8 @@ As its public code lays it out (Bumble666/PHA, built on HyperDecoders; its GLUE 
                                                after T5's dropout, beside the residual)
     L     = L_LM + lambda (L_IR + L_Pro)       lambda = `pha_loss_weight` (0.1), in training
     L_IR  = mean_i -1/|P_i| sum_{j in P_i} log( e^{s_ij / t} / sum_{a != i} e^{s_ia / t} )
-                                               P_i the other rows of row i's task; over the rows that have one
+                                               P_i the other rows of row i's task; over the rows that have one and
+                                               a row of another task
     L_Pro = mean_i -log( e^{s(z_i, k_i) / t} / sum_{tau != task i} e^{s(z_i, k_tau) / t} )
                                                (upstream's: its own prototype is left out of the denominator; 0
                                                with one task)
@@ -62,14 +64,19 @@ def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def instance_loss(z: torch.Tensor, task_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """Supervised contrastive loss among the rows (SupCon, as upstream's `_ins_ins_loss`): for each row with a
-    same-task partner, the mean over its positives of -log(e^{s_ij / t} / sum_{a != i} e^{s_ia / t}), cosine
-    similarity; the mean over those rows (0 when there is none)."""
+    same-task partner and a row of another task, the mean over its positives of -log(e^{s_ij / t} /
+    sum_{a != i} e^{s_ia / t}), cosine similarity; the mean over those rows (0 when there is none: a one-task
+    batch)."""
     z = F.normalize(z, dim=-1)
     sim = (z @ z.T) / temperature
     eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
-    positive = (task_ids[:, None] == task_ids[None, :]) & ~eye
+    same = task_ids[:, None] == task_ids[None, :]
+    positive = same & ~eye
     count = positive.sum(1)
-    anchors = count > 0  # the rows with a same-task partner; the mean is over them
+    # the rows with a same-task partner and a row of another task; the mean is over them. Upstream's batches mix
+    # tasks, so every row has others; a one-task batch (data.batching=task) would pull every z of the batch
+    # together (its SupCon term is log(n - 1) at best) and now counts for nothing
+    anchors = (count > 0) & (~same).any(1)
     # without a branch on the device's values (no host synchronisation): a row with no partner is all zeros, so its
     # log-sum is finite (an all -inf row would give NaN gradients) and it counts 0
     others = sim.masked_fill(eye, float("-inf")).masked_fill(~anchors[:, None], 0.0)
@@ -104,13 +111,14 @@ def hyperfan_in(layer: nn.Linear, fan_in: int) -> nn.Linear:
 
 
 class SharedAdapter(nn.Module):
-    """One parallel feed-forward adapter for every row (d -> b -> d), weights N(0, 0.01^2), biases 0."""
+    """One parallel feed-forward adapter for every row (d -> b -> d): upstream's `manual` adapter (HyperDecoders'
+    AdapterLayer), weights Xavier-uniform with gain 1e-4, biases 0, so it starts at about zero."""
 
-    def __init__(self, d_model: int, bottleneck: int, std: float = 1e-2):
+    def __init__(self, d_model: int, bottleneck: int):
         super().__init__()
-        self.down_weight = nn.Parameter(torch.randn(1, bottleneck, d_model) * std)
+        self.down_weight = nn.Parameter(nn.init.xavier_uniform_(torch.empty(bottleneck, d_model), gain=1e-4)[None])
         self.down_bias = nn.Parameter(torch.zeros(1, bottleneck))
-        self.up_weight = nn.Parameter(torch.randn(1, d_model, bottleneck) * std)
+        self.up_weight = nn.Parameter(nn.init.xavier_uniform_(torch.empty(d_model, bottleneck), gain=1e-4)[None])
         self.up_bias = nn.Parameter(torch.zeros(1, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -107,8 +107,7 @@ def load_pretrain_config(path: str | Path | None = None, overrides: typing.Itera
             set_field(cfg, key, value, f"override {text!r}")
     corpus.validate()
     if corpus.path is not None:  # the suite is not read: its folder need not exist (the default's is the repo's)
-        cfg.model.validate(), cfg.train.validate()
-        dataclasses.replace(cfg.data, source="synthetic").validate()  # the data section's other fields
+        cfg.model.validate(), cfg.train.validate(), cfg.data.validate(read=False)
     else:
         cfg.validate()
     if cfg.model.method != "mtl":

@@ -83,7 +83,7 @@ def load(engine, directory: str | Path, tag: str, **kwargs) -> dict | None:
         from hpsearch.model.export import older_layout
         detail = str(e).splitlines()[0][:200] if str(e) else ""
         missing, unexpected = state_dict_mismatch(str(e))
-        older = older_layout(unexpected, missing)
+        older = older_layout(unexpected, missing, re.findall(r"size mismatch for ([\w.]+)", str(e)))
         raise UserError(f"checkpoint {directory} does not match this run's config ({type(e).__name__}: "
                         f"{detail})" + (f"; {older}" if older else "")) from None
     if path is None:

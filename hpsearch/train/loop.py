@@ -67,11 +67,23 @@ class Window:
 
 
 def non_finite_weights(module: torch.nn.Module) -> torch.Tensor:
-    """How many of this rank's weights are not finite (a device scalar): its own shard of each under ZeRO-3
-    (`ds_tensor`; a partitioned `.weight` is never read), the whole weight otherwise."""
-    counts = [(~torch.isfinite(t)).sum() for p in module.parameters()
-              if (t := getattr(p, "ds_tensor", p)).numel()]
-    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.long)
+    """How many of the weights are not finite, as this rank's share of the count (a device scalar; summed over the
+    ranks it is the model's). Under ZeRO-3 this rank's own partition of each (`ds_tensor`, the real elements only:
+    the last rank's padding is never written; a partitioned `.weight` is never read); otherwise every rank holds
+    every weight, and each counts its 1 / world of them."""
+    counts, partitioned = [], False
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):
+            part, partitioned = p.ds_tensor, True
+            start = part.ds_numel * torch.distributed.get_rank(group=p.ds_process_group)
+            real = max(0, min(part.ds_numel, p.ds_numel - start))
+            if real:
+                counts.append((~torch.isfinite(part.view(-1)[:real])).sum())
+        elif p.numel():
+            counts.append((~torch.isfinite(p)).sum())
+    total = torch.stack(counts).sum().to(torch.float64) if counts else torch.zeros((), dtype=torch.float64)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return total if partitioned else total / world
 
 
 class _NaNGradient(torch.autograd.Function):
@@ -255,15 +267,16 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
             # every rank, at every log and evaluation boundary: before any checkpoint is written. At an evaluation,
             # the weights too: a non-finite gradient with a finite loss (clipping at ZeRO stage 0 spreads it to
             # every weight) shows in the loss only a step later, after this step's checkpoint had kept the weights
+            trained = time.perf_counter()  # the steps' time ends here: the weights' check below is the evaluation's
             sums = window.fold(non_finite_weights(engine.module) if evaluating else None)
             if sums["bad_ranks"]:
                 at = f"at step {int(window.first_bad)}" if window.first_bad > 0 else f"on another rank by step {step}"
                 raise NonFiniteLoss(f"non-finite loss {at}: stopping the run (lower train.lr or raise "
                                     f"train.warmup_steps)")
             if sums["bad_weights"]:
-                raise NonFiniteLoss(f"non-finite weights at step {step} ({int(sums['bad_weights'])} of them: a "
+                raise NonFiniteLoss(f"non-finite weights at step {step} ({round(sums['bad_weights'])} of them: a "
                                     "non-finite gradient, with a finite loss): stopping the run before it writes a "
-                                    "checkpoint (lower train.lr, raise train.warmup_steps or set train.grad_clip)")
+                                    "checkpoint (lower train.lr or raise train.warmup_steps)")
             skipped = getattr(engine, "skipped_steps", 0)  # a plain count: ZeRO's optimizers skip a step whose
             if skipped > skipped_said and not engine.fp16_enabled():  # gradient is not finite (fp16: loss scaling)
                 _rank0_print(rank, f"DeepSpeed skipped {skipped - skipped_said} optimizer step(s) with a non-finite "
@@ -278,7 +291,7 @@ def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
             if evaluating:
                 now = time.perf_counter()
                 metrics = {"step": step, "loss": sums["eval_loss"] / (loss_n * world), "lr": lr_used,
-                           "step_time": (now - t_timed) / timed_n, "tokens_per_s": sums["tokens"] / (now - t_last),
+                           "step_time": (trained - t_timed) / timed_n, "tokens_per_s": sums["tokens"] / (now - t_last),
                            "extra_params": extra_params,
                            **{n: total / (loss_n * world) for n, total in sums["aux"].items()}}
                 metrics.update(objective.evaluate())
