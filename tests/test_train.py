@@ -793,7 +793,7 @@ def test_a_private_ray_starts_its_dashboard_only_when_asked(monkeypatch, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_private_rays_token_is_readable_by_this_user_alone(tmp_path):
+def test_a_private_rays_token_is_readable_by_this_user_alone(tmp_path, monkeypatch):
     """A local `ray.init` turns token authentication on and wrote `~/.ray/auth_token` readable by every user of the
     machine (mode 0644), who could then use this Ray's services (run code as this user). A private Ray's token is
     now created 0600 before Ray starts, and an existing one made 0600, kept as it was (Ray authenticates with it:
@@ -803,15 +803,21 @@ def test_a_private_rays_token_is_readable_by_this_user_alone(tmp_path):
             "print('tasks', ray.get(ray.remote(lambda: 1).remote()))\nray.shutdown()\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
     token = tmp_path / ".ray" / "auth_token"
-    for existing in (None, "0123456789abcdef" * 4):
-        if existing:
-            token.write_text(existing)
-            token.chmod(0o644)
-        run = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == 0 and "tasks 1" in run.stdout, run.stderr[-3000:]
-        assert token.stat().st_mode & 0o777 == 0o600, oct(token.stat().st_mode)
-        assert len(token.read_text()) >= 32 and (existing is None or token.read_text() == existing)
+    run = subprocess.run([sys.executable, "-c", code], env={**env, "HOME": str(tmp_path)}, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "tasks 1" in run.stdout, run.stderr[-3000:]  # Ray authenticated with it
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) >= 32, oct(token.stat().st_mode)
+    # an existing token of this user's, readable by others: made 0600 and kept as it was (what Ray then reads)
+    from hpsearch.train.launch import keep_token_private
+    mine = tmp_path / "other" / "auth_token"
+    mine.parent.mkdir()
+    mine.write_text("0123456789abcdef" * 4)
+    mine.chmod(0o644)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(mine))
+    assert keep_token_private() == mine
+    assert mine.stat().st_mode & 0o777 == 0o600 and mine.read_text() == "0123456789abcdef" * 4
 
 
 def test_the_torch_backend_config_says_what_ray_trains_own_says():
