@@ -121,6 +121,51 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def partitioned_as_zero3(model):
+    """ZeRO-3's rule, by hooks: every parameter is empty (shape [0], as a partitioned one) except while a module
+    that owns it runs its forward. A read anywhere else (a `.weight` taken outside its module) fails."""
+    owners = {m: [p for p in m._parameters.values() if p is not None] for m in model.modules()}
+    owners = {m: params for m, params in owners.items() if params}
+    whole, depth = {id(p): p.data for p in model.parameters()}, {}
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)
+
+    def gather(module, args):
+        for p in owners[module]:
+            depth[id(p)] = depth.get(id(p), 0) + 1
+            p.data = whole[id(p)]
+
+    def release(module, args, out):
+        for p in owners[module]:
+            depth[id(p)] -= 1
+            if not depth[id(p)]:
+                p.data = torch.empty(0, dtype=p.dtype)
+    for module in owners:
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(release)
+    return model
+
+
+@pytest.mark.parametrize("name", SETUPS)
+def test_every_parameter_is_read_inside_its_own_modules_forward(name, batch):
+    """ZeRO-3 gathers a parameter only around its module's forward: a method reading one elsewhere reads a [0]
+    tensor on a real cluster (or, where DeepSpeed happened to keep it gathered, passes there and fails later). A
+    training forward with its auxiliary losses and a cached generation, with every parameter partitioned outside
+    its module's forward, give what the whole model gives (a PHA reading `prototypes.weight` directly passed every
+    other test)."""
+    model = perturb(make(name)).train()
+    with torch.no_grad():
+        want = model(**batch)
+        want_ids = model.eval().generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                         max_new_tokens=3, do_sample=False)
+        partitioned_as_zero3(model.train())
+        got = model(**batch)
+        torch.testing.assert_close(got.loss, want.loss)
+        got_ids = model.eval().generate(batch["input_ids"], batch["attention_mask"], task_ids=batch["task_ids"],
+                                        max_new_tokens=3, do_sample=False)
+    assert torch.equal(got_ids, want_ids)
+
+
 @pytest.mark.parametrize("name", GENERATED)
 def test_generators_are_a_few_batched_products_whatever_the_depth(name):
     """The generators' structure, which no value test sees: every block's tensors come out of the same batched

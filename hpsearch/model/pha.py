@@ -92,7 +92,7 @@ def prototype_loss(z: torch.Tensor, prototypes: torch.Tensor, task_ids: torch.Te
     """Each row against the task prototypes (upstream's `_pro_ins_loss`): -log(e^{s(z, k_own) / t} / sum over the
     other prototypes of e^{s(z, k) / t}), cosine similarity, its own prototype left out of the denominator; the
     mean over the rows. 0 with one task (no other prototype)."""
-    if prototypes.shape[0] < 2:
+    if prototypes.dim() == 2 and prototypes.shape[0] < 2:  # (a partitioned ZeRO-3 read, shape [0], fails below)
         return (z * 0).sum()
     logits = F.normalize(z, dim=-1) @ F.normalize(prototypes, dim=-1).T / temperature
     own = F.one_hot(task_ids, prototypes.shape[0]).bool()
