@@ -51,6 +51,7 @@ def test_smoke_tiny_shape_json_fields():
     gave = "gave the freed memory back to the OS" if hostmem.glibc() else "no freed memory given back"
     assert f"{gave}: resident " in proc.stderr, proc.stderr[-2000:]
     assert out["shape"] == "t5-tiny" and out["reps"] == 2 and out["threads"] == 1 and out["torch"]
+    assert out["reps_as_specified"] is False and "fewer than the 7 the goals are specified with" in proc.stdout
     assert out["batch"] == {"rows": 8, "source_tokens": 16, "target_tokens": 4, "batching": "task"}
     assert out["methods"] is None  # every method row
     for name, f in out["figures"].items():  # what each group timed, read off the batch's tensors
