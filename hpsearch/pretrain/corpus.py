@@ -181,21 +181,19 @@ def _sharing_runs(units: list[list[int]], chosen, n: int):
 
     lengths = np.fromiter(map(len, units), dtype=np.int64, count=len(units))
     flat = np.fromiter((t for u in units for t in u), dtype=np.uint64, count=int(lengths.sum()))
-    owner = np.repeat(np.arange(len(units)), lengths)
-    starts = np.r_[0, np.cumsum(lengths)[:-1]]
     if flat.size < n:
         return np.zeros(len(units), bool)
-    positions = np.arange(flat.size - n + 1)
-    valid = positions + n <= (starts + lengths)[owner[positions]]  # the run ends inside its unit
-    hashes = np.zeros(positions.size, dtype=np.uint64)
+    runs = flat.size - n + 1  # a run starts at every position but the last n - 1
+    unit = np.repeat(np.arange(len(units)), lengths)[:runs]  # the unit a run starts in
+    valid = np.arange(runs) + n <= np.cumsum(lengths)[unit]  # the run ends inside its unit
+    hashes = np.zeros(runs, dtype=np.uint64)
     with np.errstate(over="ignore"):  # wrapping multiplication: a hash modulo 2^64
         for j in range(n):
-            hashes = hashes * np.uint64(1_000_003) + flat[j:j + positions.size] + np.uint64(j + 1)
-    mine = chosen[owner[positions]] & valid
-    others = ~chosen[owner[positions]] & valid
+            hashes = hashes * np.uint64(1_000_003) + flat[j:j + runs] + np.uint64(j + 1)
+    mine, others = chosen[unit] & valid, ~chosen[unit] & valid
     hits = np.isin(hashes[others], np.unique(hashes[mine]))
     out = np.zeros(len(units), bool)
-    out[owner[positions[others][hits]]] = True
+    out[unit[others][hits]] = True
     return out
 
 

@@ -56,6 +56,16 @@ def best_weights_path(filesystem, folder: str, step: int, rank: int) -> str:
     return from_rank0(path)
 
 
+def partition_range(p) -> tuple[int, int]:
+    """(start, count) of this rank's real elements of ZeRO-3 parameter `p` in its flattened whole: its partition
+    `p.ds_tensor` is padded to the same size on every rank, and DeepSpeed never writes the padding."""
+    import torch
+
+    part = p.ds_tensor
+    start = part.ds_numel * torch.distributed.get_rank(group=p.ds_process_group)
+    return start, max(0, min(part.ds_numel, p.ds_numel - start))
+
+
 def save_best(engine, rank: int, filesystem, path: str) -> None:
     """Rank 0 writes the weights training changes as safetensors at `path` of a pyarrow `filesystem`, in their
     training dtype (16-bit when training is): weights only, no optimizer state. Under ZeRO-3 the parameters are
@@ -118,8 +128,7 @@ def load_best(engine, rank: int, filesystem, path: str) -> int:
         for name, p in trained:
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's flat slice of the parameter, padded to the same size
                 part = p.ds_tensor       # on every rank
-                start = part.ds_numel * torch.distributed.get_rank(group=p.ds_process_group)
-                count = max(0, min(part.ds_numel, p.ds_numel - start))
+                start, count = partition_range(p)
                 if count:
                     part.data[:count].copy_(weights.read(name, start, count))
                 if getattr(p, "ds_secondary_tensor", None) is not None:  # ZeRO++ hpZ gathers from its node-local

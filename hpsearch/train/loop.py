@@ -74,11 +74,9 @@ def non_finite_weights(module: torch.nn.Module) -> torch.Tensor:
     counts, partitioned = [], False
     for p in module.parameters():
         if hasattr(p, "ds_tensor"):
-            part, partitioned = p.ds_tensor, True
-            start = part.ds_numel * torch.distributed.get_rank(group=p.ds_process_group)
-            real = max(0, min(part.ds_numel, p.ds_numel - start))
+            partitioned, (_, real) = True, bestweights.partition_range(p)
             if real:
-                counts.append((~torch.isfinite(part.view(-1)[:real])).sum())
+                counts.append((~torch.isfinite(p.ds_tensor.view(-1)[:real])).sum())
         elif p.numel():
             counts.append((~torch.isfinite(p)).sum())
     total = torch.stack(counts).sum().to(torch.float64) if counts else torch.zeros((), dtype=torch.float64)
