@@ -132,6 +132,42 @@ def test_methods_times_only_the_rows_asked_for():
     # figure passed or failed by which groups ran)
     lora = out["figures"]["step/lora_vs_mtl"]
     assert lora["parts"]["flop_ratio"] > 1 and lora["goal"] == pytest.approx(1.03 * lora["parts"]["flop_ratio"])
+    assert lora["parts"]["flop_ratio_needed"] == pytest.approx(lora["parts"]["flop_ratio"])  # LoRA does no more
+
+
+def test_a_rows_goal_allows_for_the_arithmetic_its_batch_needs(monkeypatch):
+    """A method row's step goal is 1.03 x the FLOP ratio of a model holding only the batch's tasks: a method that
+    runs its generator for every task on a one-task batch computes more, and that must not widen its own goal."""
+    from hpsearch.bench import models as bench_models
+    from hpsearch.bench.rows import BatchShape
+    from hpsearch.bench.timing import Timing
+
+    models, errors = bench_models.build_rows("t5-tiny", 4, ["hyperformer"])
+    assert not errors and set(models) == {"stock", "mtl", "hyperformer"}
+    batch = bench_models.make_batch(models["stock"].config.vocab_size, 4, "task", BatchShape(4, 8, 2))
+    batch["task_ids"][:] = 2  # one task, not the first: the one-task model sees it renumbered to 0
+    rows = list(models)
+    flops, _ = bench_models.count_flops(models, rows, batch)
+    needed, errs = bench_models.needed_flops("t5-tiny", models, rows, batch, flops)
+    assert not errs and needed == {r: flops[r] for r in ("mtl", "hyperformer")}  # it generates for task 2 only
+    # broken on purpose: the generator makes every task's adapters, whatever tasks the batch holds
+    cls = type(models["hyperformer"])
+    generate = cls.generate_task_tensors
+    monkeypatch.setattr(cls, "generate_task_tensors", lambda self, device=None, tasks=None: generate(self, device))
+    wasteful, _ = bench_models.count_flops(models, rows, batch)
+    assert wasteful["hyperformer"] > flops["hyperformer"] and wasteful["mtl"] == flops["mtl"]
+    assert bench_models.needed_flops("t5-tiny", models, rows, batch, wasteful)[0] == needed  # one task: same
+    timings = {"step:mtl": Timing([1.0]), "step:stock": Timing([1.0]), "step:hyperformer": Timing([1.02])}
+    fig = next(f for f in bench_models.figures({"step"}, ["hyperformer"], timings, wasteful, needed)
+               if f.name == "step/hyperformer_vs_mtl")
+    assert fig.goal == pytest.approx(1.03 * needed["hyperformer"] / needed["mtl"])
+    assert fig.parts["flop_ratio"] == pytest.approx(wasteful["hyperformer"] / wasteful["mtl"])
+    assert fig.parts["flop_ratio"] > fig.parts["flop_ratio_needed"]
+    assert "work for tasks the batch does not hold" in fig.what
+    # a batch with every task needs what the models compute
+    mixed = bench_models.make_batch(models["stock"].config.vocab_size, 4, "mixed", BatchShape(4, 8, 2))
+    assert bench_models.needed_flops("t5-tiny", models, rows, mixed, {"mtl": 1, "hyperformer": 2})[0] == \
+        {"mtl": 1, "hyperformer": 2}
 
 
 @pytest.mark.slow
