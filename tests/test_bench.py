@@ -80,6 +80,10 @@ def test_smoke_tiny_shape_json_fields():
         parts = mfu["parts"]
         assert mfu["value"] > 0 and parts["model_gflop_per_step"] > 0
         assert mfu["value"] == pytest.approx(parts["achieved_gflops"] / parts["peak_gflops"], rel=1e-9)
+        # the peak is the fastest of the square matmuls timed
+        assert set(parts["peak_gflops_by_size"]) == {"1024", "2048", "4096"}
+        assert parts["peak_gflops"] == pytest.approx(max(parts["peak_gflops_by_size"].values()), rel=1e-9)
+        assert parts["peak_gflops"] == pytest.approx(parts["peak_gflops_by_size"][str(parts["peak_size"])])
         assert parts["achieved_gflops"] == pytest.approx(parts["model_gflop_per_step"]
                                                          / parts["step_time"]["min_s"], rel=1e-9)
     # the HyperPrompt step does more arithmetic than MTL's (its generators, its longer attention)

@@ -9,6 +9,7 @@ Groups (all by default; `--only` / `--skip` select):
     step        train step (fwd, bwd, AdamW) of every method in the registry ÷ MTL, and MTL ÷ stock T5
     generate    greedy generation with frozen prompts ÷ MTL (and prompts generated per call, for contrast)
     flops       achieved model FLOP/s of the stock and HyperPrompt-Global steps ÷ this machine's fp32 matmul peak
+                (the fastest of square matmuls 1024² to 4096²)
     deepspeed   one in-process DeepSpeed rank (recipe's config; ZeRO-3 and ZeRO-0) ÷ a plain torch loop
     checkpoint  bytes a `--local` run writes per evaluation, and what the best weights and checkpoints keep
     trial       fixed cost of a trial: `python -m hpsearch.train` at two step counts, with Ray and --local

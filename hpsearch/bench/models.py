@@ -3,11 +3,10 @@
 All models share one random backbone (copied, so every row starts from the same weights) and one batch, by
 default 32 x (64 input + 8 target) tokens (`--batch`). A train step is forward, backward and AdamW; generation is
 greedy with exactly as many new tokens as the targets (`min_new_tokens`: random weights would otherwise stop at
-different lengths). Model
-FLOPs are counted once per model with `FlopCounterMode` on forward + backward; the machine's peak is a
-square fp32 matmul timed in the same pool. A method row's step goal is 1.03 x its FLOP ratio to MTL counted on
-models that hold only the batch's tasks (`needed_flops`): the arithmetic the step needs, so work done for tasks
-the batch does not hold is not allowed for.
+different lengths). Model FLOPs are counted once per model with `FlopCounterMode` on forward + backward; the
+machine's peak is the fastest of three square fp32 matmuls (1024² to 4096²) timed in the same pool. A method row's
+step goal is 1.03 x its FLOP ratio to MTL counted on models that hold only the batch's tasks (`needed_flops`): the
+arithmetic the step needs, so work done for tasks the batch does not hold is not allowed for.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from hpsearch.bench.rows import BATCH, BatchShape, method_rows
 from hpsearch.bench.timing import Figure, Pool, ratio
 
-PEAK_N = 2048  # the square fp32 matmul that stands for the machine's peak
+PEAK_SIZES = (1024, 2048, 4096)  # square fp32 matmuls; the fastest of them stands for the machine's peak
 LR = 1e-4
 STEP_GOAL, WRAPPER_GOAL, GENERATE_GOAL, MFU_GOAL = 1.03, 1.01, 1.01, 0.5
 MFU_ROWS = ("stock", "hyperprompt-global")
@@ -180,10 +179,16 @@ def needed_flops(shape: str, models: dict, rows: list[str], batch: dict, flops: 
     return needed, errors
 
 
-def peak_matmul():
-    a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
-    out = torch.empty(PEAK_N, PEAK_N)
+def peak_matmul(n: int):
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
     return lambda: torch.mm(a, b, out=out)
+
+
+def peak(timings: dict) -> tuple[float, int] | None:
+    """(FLOP/s, size) of the fastest square matmul timed (its minimum time), or None when none was."""
+    rates = [(2 * n ** 3 / timings[f"peak-matmul:{n}"].min, n) for n in PEAK_SIZES if f"peak-matmul:{n}" in timings]
+    return max(rates) if rates else None
 
 
 # ---- the phase -------------------------------------------------------------------------------------------------
@@ -203,7 +208,8 @@ def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, lo
             if has_generators(model):
                 pool.add(f"generate-dynamic:{row}", generation(model, row, batch), setup=_dynamic(model))
     if "flops" in groups:
-        pool.add("peak-matmul", peak_matmul())
+        for n in PEAK_SIZES:
+            pool.add(f"peak-matmul:{n}", peak_matmul(n))
     if step_rows:  # every step row, whichever groups run: a row's goal (1.03 x its FLOP ratio) depends on it
         flops, flop_errors = count_flops(models, step_rows, batch)
         needed, needed_errors = needed_flops(shape, models, step_rows, batch, flops)
@@ -250,15 +256,18 @@ def figures(groups: set[str], rows: list[str], timings: dict, flops: dict[str, i
                      timings, goal, f"greedy generation, {what}: {row} ÷ MTL")
 
     def mfu(row: str) -> Figure | None:
-        if row not in flops or f"step:{row}" not in timings or "peak-matmul" not in timings:
+        best = peak(timings)
+        if row not in flops or f"step:{row}" not in timings or best is None:
             return None
-        peak = 2 * PEAK_N ** 3 / timings["peak-matmul"].min
+        rate, n = best
         achieved = flops[row] / timings[f"step:{row}"].min
-        return Figure(f"flops/{row}_mfu", achieved / peak, MFU_GOAL, "higher", "fraction",
-                      f"achieved model FLOP/s of the {row} train step ÷ fp32 matmul peak ({PEAK_N}² matmul)",
+        return Figure(f"flops/{row}_mfu", achieved / rate, MFU_GOAL, "higher", "fraction",
+                      f"achieved model FLOP/s of the {row} train step ÷ fp32 matmul peak (the fastest square "
+                      f"matmul, {n}²)",
                       parts={"model_gflop_per_step": flops[row] / 1e9, "achieved_gflops": achieved / 1e9,
-                             "peak_gflops": peak / 1e9, "step_time": timings[f"step:{row}"].to_json(),
-                             "peak_time": timings["peak-matmul"].to_json()})
+                             "peak_gflops": rate / 1e9, "peak_size": n, "step_time": timings[f"step:{row}"].to_json(),
+                             "peak_gflops_by_size": {str(m): 2 * m ** 3 / timings[f"peak-matmul:{m}"].min / 1e9
+                                                     for m in PEAK_SIZES if f"peak-matmul:{m}" in timings}})
 
     out = []
     if "step" in groups:
