@@ -196,8 +196,9 @@ def test_deepspeed_group_times_plain_torch_with_torchs_own_linear(tmp_path):
 def test_checkpoint_group_tiny_shape():
     # after an in-process group (its torch.distributed rendezvous still open): the subprocess run must not inherit it
     out = report(bench("--shape", "t5-tiny", "--reps", "1", "--batch", "4x8+2", "--only", "deepspeed", "checkpoint",
-                       "--json", timeout=900))
+                       "--checkpoint-shape", "t5-tiny", "--json", timeout=900))
     check_figures(out)
+    assert out["checkpoint_shape"] == "t5-tiny" and out["shape"] == "t5-tiny"
     figures = {k: v for k, v in out["figures"].items() if k.startswith("checkpoint/")}
     assert set(figures) == {"checkpoint/written_per_eval", "checkpoint/best_size", "checkpoint/best_copied",
                             "checkpoint/export_size"}, out["errors"]
@@ -347,6 +348,7 @@ def test_study_group_tiny_shape():
     (["--shape", "t5-huge"], "--shape: 't5-huge' is not a named shape"),
     (["--reps", "0"], "--reps: 0 is out of range"),
     (["--memory-shape", "t5-huge"], "--memory-shape: 't5-huge' is not a named shape"),
+    (["--checkpoint-shape", "t5-huge"], "--checkpoint-shape: 't5-huge' is not a named shape"),
     (["--only", "nosuchgroup"], "invalid choice: 'nosuchgroup'"),
     (["--only", "trial", "--skip", "trial"], "no group left"),
     (["--batch", "32x64"], "--batch: '32x64' is not ROWSxSOURCE+TARGET"),

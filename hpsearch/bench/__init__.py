@@ -2,7 +2,8 @@
 
     python -m hpsearch.bench [--shape t5-small] [--tasks 8] [--reps 7] [--threads N] [--batch 32x64+8]
                              [--methods ROW ...] [--batching task|mixed]
-                             [--host-allocator reuse|system] [--memory-shape t5-large] [--memory-world 2]
+                             [--host-allocator reuse|system] [--checkpoint-shape t5-base]
+                             [--memory-shape t5-large] [--memory-world 2]
                              [--only GROUP ...] [--skip GROUP ...] [--json]
 
 Groups (all by default; `--only` / `--skip` select):
@@ -12,6 +13,7 @@ Groups (all by default; `--only` / `--skip` select):
                 (the fastest of square matmuls 1024² to 4096²)
     deepspeed   one in-process DeepSpeed rank (recipe's config; ZeRO-3 and ZeRO-0) ÷ a plain torch loop
     checkpoint  bytes a `--local` run writes per evaluation, and what the best weights and checkpoints keep
+                (`--checkpoint-shape`, default t5-base: about 35 s here)
     trial       fixed cost of a trial: `python -m hpsearch.train` at two step counts, with Ray and --local
                 (subprocesses, a few minutes even at t5-tiny: `--skip trial` for a quick look)
     study       fixed cost of a trial inside a study (`python -m hpsearch.tune`): studies of 1 and 3 trials, one-
