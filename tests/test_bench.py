@@ -357,12 +357,34 @@ def test_study_group_tiny_shape():
     (["--batch", "0x64+8"], "--batch: '0x64+8' is not ROWSxSOURCE+TARGET with positive integers"),
     # more host memory than the machine has (t5-11b: ~44 GB of weights a copy): refused before anything runs
     (["--only", "memory", "--memory-shape", "t5-11b"], "--memory-shape: 2 ranks of t5-11b need about 276."),
+    # the in-process groups' models, more than the machine has (t5-11b: 3 models stepping, ~44 GB each, x3)
+    (["--shape", "t5-11b", "--methods", "lora", "--only", "step"], "--shape: t5-11b needs at least 380."),
+    (["--shape", "t5-11b", "--only", "deepspeed"], "--shape: t5-11b needs at least 422."),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     proc = bench(*args, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
     assert proc.stdout == ""
+
+
+def test_the_in_process_groups_memory_bound():
+    """A lower bound of what groups step to deepspeed hold at once, from the weights' bytes W: 3 W for each model that
+    steps (weights, AdamW's two moments), W for one that only generates, about 10 W for group deepspeed."""
+    from hpsearch.bench import models as bench_models
+    from hpsearch.bench.memory import weights_bytes
+    from hpsearch.bench.rows import method_rows
+
+    w = weights_bytes(["model.backbone=t5-small"])
+    n = len(method_rows()) + 1  # every row and stock T5
+    assert bench_models.need_bytes("t5-small", {"step", "generate"}, None) == (3 * n * w, n)
+    assert bench_models.need_bytes("t5-small", {"generate"}, None) == (n * w, n)
+    assert bench_models.need_bytes("t5-small", {"flops"}, ["lora"]) == ((3 * 2 + 1) * w, 3)  # stock, HP-Global step
+    assert bench_models.need_bytes("t5-small", {"step"}, ["lora"]) == (9 * w, 3)  # with MTL and stock T5
+    assert bench_models.need_bytes("t5-small", {"deepspeed"}, None) == (10 * w, 0)
+    assert bench_models.too_big("t5-small", {"step"}, ["lora"], 9 * w, "there is") is None
+    why = bench_models.too_big("t5-small", {"step"}, ["lora"], 9 * w - 1, "there is")
+    assert why.startswith(f"t5-small needs at least {9 * w / 2**30:.1f} GiB of host memory for 3 models, there is")
 
 
 def test_timing_pool_skips_what_was_alive_and_frees_it_after():

@@ -132,17 +132,20 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     groups = args.groups
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import psutil
     import torch
 
     from hpsearch.bench import memory, models, study, trial, zero
     from hpsearch.train import hostmem
 
+    # a size this machine can never hold is bad input, said before any group runs (the estimates build the model on
+    # the meta device: torch, so they are not checked with the arguments)
+    total = psutil.virtual_memory().total
+    why = models.too_big(args.shape, set(groups), args.methods, total, "this machine has")
+    if why:
+        raise UserError(f"--shape: {why}")
     if "memory" in groups:
-        # a size this machine can never hold is bad input, said before any group runs (the estimate builds the
-        # model on the meta device: torch, so it is not checked with the arguments)
-        import psutil
-
-        why = memory.too_big(args.memory_shape, args.memory_world, psutil.virtual_memory().total, "this machine has")
+        why = memory.too_big(args.memory_shape, args.memory_world, total, "this machine has")
         if why:
             raise UserError(f"--memory-shape: {why}")
     if args.threads:

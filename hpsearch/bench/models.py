@@ -121,6 +121,41 @@ def _dynamic(model):
     return setup
 
 
+# ---- memory ----------------------------------------------------------------------------------------------------
+DEEPSPEED_COPIES = 10  # group deepspeed: the base model, and a plain loop, ZeRO-3 and ZeRO-0 with their AdamW state
+
+
+def need_bytes(shape: str, groups: set[str], only: list[str] | None) -> tuple[int, int]:
+    """(bytes, models): a lower bound of the host memory the in-process groups hold at once, from the weights'
+    bytes W of the shape (a build on the meta device). Groups step, generate and flops keep stock T5 and every
+    method row alive together: 3 W each that steps (weights and AdamW's two moments), W each that only generates;
+    group deepspeed (which runs after them, in the memory they gave back) about 10 W. At t5-small the measured
+    resident memory of every row was 11.2 GiB against 9.4 GiB of this bound."""
+    from hpsearch.bench.memory import weights_bytes
+
+    weights = weights_bytes([f"model.backbone={shape}"])
+    n_models, need = 0, 0
+    if {"step", "generate", "flops"} & groups:
+        rows = [r for r, _, _ in method_rows() if not only or r in only or r == "mtl"]
+        n_models = len(rows) + 1  # and stock T5
+        stepping = n_models if "step" in groups else len(MFU_ROWS) if "flops" in groups else 0
+        need = weights * (3 * stepping + (n_models - stepping))
+    if "deepspeed" in groups:
+        need = max(need, DEEPSPEED_COPIES * weights)
+    return need, n_models
+
+
+def too_big(shape: str, groups: set[str], only: list[str] | None, memory: int, of: str) -> str | None:
+    """Why the in-process groups cannot run in `memory` bytes (`of`: whose memory that is), or None."""
+    need, n_models = need_bytes(shape, groups, only)
+    if need <= memory:
+        return None
+    held = f"{n_models} models" if n_models else "group deepspeed's copies"
+    return (f"{shape} needs at least {need / 2**30:.1f} GiB of host memory for {held}, {of} "
+            f"{memory / 2**30:.1f} GiB; expected fewer rows (--methods ROW ...), a smaller --shape, or "
+            f"--skip step generate flops deepspeed")
+
+
 # ---- FLOPs ---------------------------------------------------------------------------------------------------
 def _cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs):
     return sdpa_flop_count(query, key, value)
