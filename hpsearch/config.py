@@ -299,5 +299,22 @@ def absolute_paths(cfg: RunConfig) -> None:
         cfg.model.backbone = str(Path(cfg.model.backbone).expanduser().resolve())
 
 
+def check_run_data(cfg: RunConfig) -> None:
+    """A run's local data, before anything starts (no torch): every task loads, some have training rows, and every
+    target fits `data.max_target_length` and `train.max_new_tokens` in an offline shape's tokenizer (else each
+    worker found it after Ray had started). The hub is left to the workers: it downloads."""
+    if cfg.data.source == "hub":
+        return
+    from hpsearch.data import load_suite
+    from hpsearch.data.tokenizer import check_targets_early
+    from hpsearch.model.backbones import named_vocab_size
+
+    suite = load_suite(cfg.data)
+    if not any(suite.sizes("train")):
+        raise ConfigError(f"data.tasks: no task has training rows in {cfg.data.source}")
+    check_targets_early(cfg.model.backbone, named_vocab_size(cfg.model.backbone, cfg.model.vocab_size), cfg.data,
+                        suite, cfg.train.max_new_tokens)
+
+
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

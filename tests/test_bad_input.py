@@ -33,6 +33,7 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     tune = ["hpsearch.tune", "--storage-path", str(tmp / "runs"), "--tracking-uri", f"sqlite:///{tmp}/new/mlflow.db"]
     pretrain = ["hpsearch.pretrain", "--tracking-uri", f"sqlite:///{tmp}/mlflow.db", "data.source=synthetic",
                 "model.backbone=t5-tiny", f"train.output_dir={tmp}/pretrain-out"]
+    rte = [f"data.source={ROOT.parent / 'shared' / 'data' / 'glue'}", "data.tasks=rte", f"data.cache_dir={tmp}/cache"]
     leaky = tmp / "leaky-corpus"
     (leaky / "rte").mkdir(parents=True)
     (leaky / "rte" / "train.jsonl").write_text('{"text": "fine"}\n')
@@ -101,6 +102,11 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "pretrain not plain": ([*pretrain, "model.method=hyperprompt"], "pretraining trains the plain backbone"),
         "pretrain unknown field": ([*pretrain, "corpus.noise=0.2"], "unknown field 'corpus.noise'"),
         "pretrain bad density": ([*pretrain, "corpus.noise_density=1.5"], "corpus.noise_density: 1.5"),
+        # a label word cut by the target length: each worker said it, with a traceback, after Ray had started
+        "train target cut": (["hpsearch.train", *rte, "data.max_target_length=2", f"train.output_dir={tmp}/train-out"],
+                             "data.max_target_length: 2 cuts rte's target 'not_entailment' ("),
+        "study target cut": ([*tune, *rte, "train.max_new_tokens=1"],
+                             "train.max_new_tokens: 1 cannot generate rte's target 'not_entailment' ("),
     }
 
 
@@ -113,7 +119,8 @@ NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite now
          "incomplete study state", "study backbone not a checkpoint", "params backbone not a checkpoint",
          "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint",
          "study backbone not pretrained yet", "pretrain corpus missing", "pretrain validation file",
-         "pretrain not plain", "pretrain unknown field", "pretrain bad density"]
+         "pretrain not plain", "pretrain unknown field", "pretrain bad density", "train target cut",
+         "study target cut"]
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +178,20 @@ def test_reading_and_checking_a_config_imports_no_heavy_library():
 
 
 HEAVY = ("torch", "transformers", "sklearn", "ray", "mlflow", "optuna", "deepspeed")
+
+
+def test_checking_a_runs_data_imports_no_heavy_library(tmp_path):
+    """The drivers' data check (`config.check_run_data`: rows, and every target in an offline shape's tokenizer)
+    trains or reads the BPE with `tokenizers` alone: ~0.2 s on the GLUE rows here, no torch or transformers."""
+    glue = ROOT.parent / "shared" / "data" / "glue"
+    code = ("import sys\n"
+            "from hpsearch.config import check_run_data, load_config\n"
+            f"check_run_data(load_config(None, ['data.source={glue}', 'data.tasks=rte,stsb', "
+            f"'data.cache_dir={tmp_path}']))\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]" and list((tmp_path / "tokenizers").glob("*.json"))  # it did tokenize
 
 
 @pytest.mark.parametrize("module, args, phrase", [

@@ -377,7 +377,7 @@ def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_
     """A label word cut by `train.max_new_tokens` never parses: with a 300-token vocabulary 'not_entailment' takes 9
     tokens, and a perfect model scored 44.9 on RTE. A number cut by `data.max_target_length` trains on another
     value ('3' for '3.8'). Each is a one-line ConfigError naming the field and what would fit."""
-    from hpsearch.data.tokenizer import check_targets_fit
+    from hpsearch.data.tokenizer import check_targets_fit, longest_target, offline_tokenizer
 
     glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
     cfg = DataConfig(source=str(glue), tasks=["rte", "mrpc", "stsb"], vocab_size=300, max_train_rows=200,
@@ -385,6 +385,8 @@ def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_
     suite = load_suite(cfg)
     tokenizer = get_tokenizer("t5-tiny", cfg, suite, 8192)
     words = {t: len(tokenizer(t, add_special_tokens=False).input_ids) for t in ("not_entailment", "not_equivalent")}
+    # the drivers' check counts with the same BPE without transformers' wrapper (config.check_run_data)
+    assert longest_target(offline_tokenizer(cfg, suite, 8192), suite.tasks) == longest_target(tokenizer, suite.tasks)
     longest = max(words.values())
     assert longest > 8, words  # cut by the default max_new_tokens=8
     with pytest.raises(ConfigError, match=rf"^train.max_new_tokens: 8 cannot generate (rte|mrpc)'s target "

@@ -33,11 +33,26 @@ def get_tokenizer(backbone: str, cfg: DataConfig, suite, vocab_size: int):
     """The checkpoint's own tokenizer, or for an offline shape the trained BPE one (ids < vocab_size)."""
     if not is_offline_shape(backbone):
         return _checkpoint_tokenizer(backbone, vocab_size)
+    return _wrap(offline_tokenizer(cfg, suite, vocab_size))
+
+
+def offline_tokenizer(cfg: DataConfig, suite, vocab_size: int):
+    """An offline shape's trained BPE (cached) as a `tokenizers.Tokenizer`: without transformers, so a driver that
+    checks a run before anything starts does not import it."""
     size = min(cfg.vocab_size, vocab_size)
     if size < 3 + 256:
         raise ConfigError(f"model vocab_size {vocab_size} is too small for the byte-level tokenizer; "
                           "expected >= 259")
-    return train_tokenizer(list(_corpus(suite)), size, cache_path(cfg.cache_dir, "tokenizers"))
+    return _bpe(list(_corpus(suite)), size, cache_path(cfg.cache_dir, "tokenizers"))
+
+
+def check_targets_early(backbone: str, model_vocab: int | None, cfg: DataConfig, suite, max_new_tokens: int) -> None:
+    """`check_targets_fit` in a driver, before any worker starts, for an offline shape (`model_vocab`: its
+    vocabulary; the BPE is trained here, or read from the cache the workers then read). A checkpoint's tokenizer
+    (a local folder or a hub id, which downloads) is left to the workers."""
+    if model_vocab is not None and is_offline_shape(backbone):
+        check_targets_fit(offline_tokenizer(cfg, suite, model_vocab), suite.tasks, cfg.max_target_length,
+                          max_new_tokens)
 
 
 def longest_target(tokenizer, tasks: Sequence[str]) -> tuple[int, str | None, str | None]:
@@ -47,7 +62,7 @@ def longest_target(tokenizer, tasks: Sequence[str]) -> tuple[int, str | None, st
     longest, task, text = 0, None, None
     for name in tasks:
         for target in get_task(name).targets():
-            n = len(tokenizer(target, add_special_tokens=False).input_ids)
+            n = _count(tokenizer, target)
             if n > longest:
                 longest, task, text = n, name, target
     return longest, task, text
@@ -89,11 +104,28 @@ def _corpus(suite) -> Iterator[str]:
             yield example.target
 
 
+def _count(tokenizer, text: str) -> int:
+    """Tokens of `text` without the end token, in a transformers tokenizer or a `tokenizers.Tokenizer`."""
+    if hasattr(tokenizer, "encode_batch"):  # tokenizers' own (no transformers wrapper)
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path):
     """Train (or load from `cache_dir`) a byte-level BPE tokenizer; written atomically, safe to race."""
+    return _wrap(_bpe(texts, vocab_size, cache_dir))
+
+
+def _wrap(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def _bpe(texts: Sequence[str], vocab_size: int, cache_dir: Path):
     import tokenizers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     # the library's version too: another version may train other merges from the same texts, and nodes with caches
     # of their own must tokenize alike
@@ -124,8 +156,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path):
             os.replace(temporary, path)
         except OSError:
             pass
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return tokenizer
 
 
 def encode_batch(examples: Sequence[Example], task_ids: Sequence[int], tokenizer, cfg: DataConfig) -> dict:

@@ -45,6 +45,14 @@ def is_named_shape(backbone) -> bool:
     return isinstance(backbone, str) and backbone in NAMED_SHAPES
 
 
+def named_vocab_size(backbone, vocab_size: int | None = None) -> int | None:
+    """The vocabulary of a named shape (`model.vocab_size` if set, else the shape's), read without transformers;
+    None for any other backbone."""
+    if not is_named_shape(backbone):
+        return None
+    return vocab_size if vocab_size is not None else NAMED_SHAPES[backbone]["vocab_size"]
+
+
 def named_config(name: str, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
     if name not in NAMED_SHAPES:
         raise ConfigError(f"model.backbone: {name!r} is not a named shape; known: {', '.join(NAMED_SHAPES)}")

@@ -5,7 +5,7 @@ import json
 import sys
 
 from hpsearch.cli import Parser, run_main
-from hpsearch.config import absolute_paths, load_config
+from hpsearch.config import absolute_paths, check_run_data, load_config
 from hpsearch.errors import UserError
 from hpsearch.train import __doc__ as DOC
 from hpsearch.train.launch import TrainingFailed, check_fits_locally, check_output_dir, run_with_ray
@@ -24,9 +24,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     absolute_paths(cfg)  # workers run elsewhere: train.output_dir and data paths are this directory's
-    from hpsearch.data import load_suite
-    if not any(load_suite(cfg.data).sizes("train")):  # data mistakes fail here, before any worker starts
-        raise UserError(f"data.tasks: no task has training rows in {cfg.data.source}")
+    check_run_data(cfg)  # data mistakes fail here, before any worker starts
     from hpsearch.model import check_local_backbone
     from hpsearch.pretrain.corpus import check_backbone_corpus
     check_local_backbone(cfg.model.backbone)

@@ -160,12 +160,10 @@ def study_folder(storage: str | Storage, name: str, given_by: str = "--name") ->
 
 
 def check_data(cfg) -> None:
-    """Local data must load here, before any trial (the hub is left to the trials: it downloads)."""
-    if cfg.data.source == "hub":
-        return
-    from hpsearch.data import load_suite
-    if not any(load_suite(cfg.data).sizes("train")):  # caught here, not in every trial's workers
-        raise ConfigError(f"data.tasks: no task has training rows in {cfg.data.source}")
+    """Local data must load here, before any trial, its targets fitting the config's lengths
+    (`config.check_run_data`; the hub is left to the trials: it downloads)."""
+    from hpsearch.config import check_run_data
+    check_run_data(cfg)
 
 
 def check_backbone(cfg) -> None:
