@@ -358,8 +358,8 @@ def test_study_group_tiny_shape():
     # more host memory than the machine has (t5-11b: ~44 GB of weights a copy): refused before anything runs
     (["--only", "memory", "--memory-shape", "t5-11b"], "--memory-shape: 2 ranks of t5-11b need about 276."),
     # the in-process groups' models, more than the machine has (t5-11b: 3 models stepping, ~44 GB each, x3)
-    (["--shape", "t5-11b", "--methods", "lora", "--only", "step"], "--shape: t5-11b needs at least 380."),
-    (["--shape", "t5-11b", "--only", "deepspeed"], "--shape: t5-11b needs at least 422."),
+    (["--shape", "t5-11b", "--methods", "lora", "--only", "step"], "--shape: t5-11b needs at least 379."),
+    (["--shape", "t5-11b", "--only", "deepspeed"], "--shape: t5-11b needs at least 421."),
 ])
 def test_bad_input_is_one_line_exit_2(args, message):
     proc = bench(*args, timeout=120)
@@ -375,16 +375,25 @@ def test_the_in_process_groups_memory_bound():
     from hpsearch.bench.memory import weights_bytes
     from hpsearch.bench.rows import method_rows
 
-    w = weights_bytes(["model.backbone=t5-small"])
+    w = weights_bytes(["model.backbone=t5-small", "model.method=mtl"])
     n = len(method_rows()) + 1  # every row and stock T5
     assert bench_models.need_bytes("t5-small", {"step", "generate"}, None) == (3 * n * w, n)
     assert bench_models.need_bytes("t5-small", {"generate"}, None) == (n * w, n)
-    assert bench_models.need_bytes("t5-small", {"flops"}, ["lora"]) == ((3 * 2 + 1) * w, 3)  # stock, HP-Global step
+    # group flops steps stock T5 and HyperPrompt-Global, when it is one of the rows built
+    assert bench_models.need_bytes("t5-small", {"flops"}, ["lora"]) == ((3 * 1 + 2) * w, 3)
+    assert bench_models.need_bytes("t5-small", {"flops"}, ["hyperprompt-global"]) == ((3 * 2 + 1) * w, 3)
     assert bench_models.need_bytes("t5-small", {"step"}, ["lora"]) == (9 * w, 3)  # with MTL and stock T5
     assert bench_models.need_bytes("t5-small", {"deepspeed"}, None) == (10 * w, 0)
     assert bench_models.too_big("t5-small", {"step"}, ["lora"], 9 * w, "there is") is None
     why = bench_models.too_big("t5-small", {"step"}, ["lora"], 9 * w - 1, "there is")
     assert why.startswith(f"t5-small needs at least {9 * w / 2**30:.1f} GiB of host memory for 3 models, there is")
+    # W is at most any row's own weights (a lower bound): every model built at t5-tiny holds at least that many bytes
+    models, errors = bench_models.build_rows("t5-tiny", 8)
+    assert not errors
+    tiny = weights_bytes(["model.backbone=t5-tiny", "model.method=mtl"])
+    for row, model in models.items():
+        held = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+        assert sum(t.numel() * t.element_size() for t in held) >= tiny, row
 
 
 def test_timing_pool_skips_what_was_alive_and_frees_it_after():

@@ -122,23 +122,25 @@ def _dynamic(model):
 
 
 # ---- memory ----------------------------------------------------------------------------------------------------
-DEEPSPEED_COPIES = 10  # group deepspeed: the base model, and a plain loop, ZeRO-3 and ZeRO-0 with their AdamW state
+DEEPSPEED_COPIES = 10  # group deepspeed: a plain loop (3 W), ZeRO-0 (3 W) and ZeRO-3 (at least 4 W), with AdamW's state
 
 
 def need_bytes(shape: str, groups: set[str], only: list[str] | None) -> tuple[int, int]:
-    """(bytes, models): a lower bound of the host memory the in-process groups hold at once, from the weights'
-    bytes W of the shape (a build on the meta device). Groups step, generate and flops keep stock T5 and every
-    method row alive together: 3 W each that steps (weights and AdamW's two moments), W each that only generates;
-    group deepspeed (which runs after them, in the memory they gave back) about 10 W. At t5-small the measured
-    resident memory of every row was 11.2 GiB against 9.4 GiB of this bound."""
+    """(bytes, models): a lower bound of the host memory the in-process groups hold at once, from the bytes W of
+    the shape's weights as MTL has them (stock T5's and the least of any row's; a build on the meta device).
+    Groups step, generate and flops keep stock T5 and every method row alive together: 3 W each that steps
+    (weights and AdamW's two moments), W each that only generates; group deepspeed (which runs after them, in the
+    memory they gave back) about 10 W. Gradients, activations and the imports are not counted: at t5-small the
+    measured resident memory of every row was 11.2 GiB against 8.1 GiB of this bound."""
     from hpsearch.bench.memory import weights_bytes
 
-    weights = weights_bytes([f"model.backbone={shape}"])
+    weights = weights_bytes([f"model.backbone={shape}", "model.method=mtl"])
     n_models, need = 0, 0
     if {"step", "generate", "flops"} & groups:
         rows = [r for r, _, _ in method_rows() if not only or r in only or r == "mtl"]
         n_models = len(rows) + 1  # and stock T5
-        stepping = n_models if "step" in groups else len(MFU_ROWS) if "flops" in groups else 0
+        mfu = sum(r == "stock" or r in rows for r in MFU_ROWS)  # group flops steps these (those that are built)
+        stepping = n_models if "step" in groups else mfu if "flops" in groups else 0
         need = weights * (3 * stepping + (n_models - stepping))
     if "deepspeed" in groups:
         need = max(need, DEEPSPEED_COPIES * weights)
@@ -247,7 +249,7 @@ def run(shape: str, n_tasks: int, groups: set[str], reps: int, batching: str, lo
             pool.add(f"peak-matmul:{n}", peak_matmul(n))
     if step_rows:  # every step row, whichever groups run: a row's goal (1.03 x its FLOP ratio) depends on it
         flops, flop_errors = count_flops(models, step_rows, batch)
-        needed, needed_errors = needed_flops(shape, models, step_rows, batch, flops)
+        needed, needed_errors = needed_flops(shape, models, step_rows, batch, flops) if "step" in groups else ({}, {})
         errors.update({**flop_errors, **needed_errors})
     log(f"timing {len(pool.entries)} entries interleaved: 1 warm-up + {reps} rounds")
     timings, failed = pool.run(reps, log)
