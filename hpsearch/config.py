@@ -299,11 +299,16 @@ def absolute_paths(cfg: RunConfig) -> None:
         cfg.model.backbone = str(Path(cfg.model.backbone).expanduser().resolve())
 
 
-def check_run_data(cfg: RunConfig) -> None:
-    """A run's local data, before anything starts (no torch): every task loads, some have training rows, and every
-    target fits `data.max_target_length` and `train.max_new_tokens` in an offline shape's tokenizer (else each
-    worker found it after Ray had started). The hub is left to the workers: it downloads."""
-    if cfg.data.source == "hub":
+# the fields a target's length in tokens and the lengths it must fit depend on (config.check_run_data)
+TARGET_FIELDS = ("model.backbone", "model.vocab_size", "data.source", "data.tasks", "data.vocab_size",
+                 "data.max_target_length", "train.max_new_tokens")
+
+
+def check_run_data(cfg: RunConfig, hub: bool = True, targets: bool = True) -> None:
+    """A run's data, before anything starts (no torch): every task loads (`hub`: also from the hub, which
+    downloads), some have training rows, and (`targets`) every target fits `data.max_target_length` and
+    `train.max_new_tokens` in an offline shape's tokenizer (else each worker found it after Ray had started)."""
+    if cfg.data.source == "hub" and not hub:
         return
     from hpsearch.data import load_suite
     from hpsearch.data.tokenizer import check_targets_early
@@ -312,8 +317,9 @@ def check_run_data(cfg: RunConfig) -> None:
     suite = load_suite(cfg.data)
     if not any(suite.sizes("train")):
         raise ConfigError(f"data.tasks: no task has training rows in {cfg.data.source}")
-    check_targets_early(cfg.model.backbone, named_vocab_size(cfg.model.backbone, cfg.model.vocab_size), cfg.data,
-                        suite, cfg.train.max_new_tokens)
+    if targets:
+        check_targets_early(cfg.model.backbone, named_vocab_size(cfg.model.backbone, cfg.model.vocab_size),
+                            cfg.data, suite, cfg.train.max_new_tokens)
 
 
 def dump_yaml(cfg: RunConfig) -> str:

@@ -261,3 +261,68 @@ sys.exit(code)
     assert proc.returncode == code, proc.stderr
     assert proc.stdout.splitlines() == [f"caught {code} frozen now: False"] * 2 + ["frozen at exit: True calls: 1"]
     assert out.read_text() == "kept" * 2
+
+
+def test_a_searched_target_length_is_left_to_each_trial(tmp_path):
+    """A study checks the targets against its fixed config only when no field they depend on is searched: searching
+    `train.max_new_tokens` over values that fit must not be refused for the default that does not."""
+    from hpsearch.config import load_config
+    from hpsearch.errors import ConfigError
+    from hpsearch.tune.prepare import check_data
+
+    glue = ROOT.parent / "shared" / "data" / "glue"
+    cfg = load_config(None, [f"data.source={glue}", "data.tasks=rte", "train.max_new_tokens=1",
+                             f"data.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="train.max_new_tokens: 1 cannot generate rte's target"):
+        check_data(cfg)
+    with pytest.raises(ConfigError, match="train.max_new_tokens: 1 cannot generate rte's target"):
+        check_data(cfg, {"train.lr"})
+    check_data(cfg, {"train.max_new_tokens"})
+    check_data(cfg, {"model.backbone"})
+    cfg.data.tasks = ["nosuchtask"]  # the rows are still checked
+    with pytest.raises(ConfigError):
+        check_data(cfg, {"train.max_new_tokens"})
+
+
+def test_a_study_searching_the_generation_length_starts(tmp_path):
+    """The same through the command line: the space searches train.max_new_tokens (its default, 8, cuts RTE's
+    label word at a 259-token vocabulary), so the study passes the data check and stops at the next one."""
+    glue = ROOT.parent / "shared" / "data" / "glue"
+    space = tmp_path / "space.yaml"
+    space.write_text("name: long\nmodel: {backbone: t5-tiny, method: mtl}\n"
+                     f"data: {{source: {glue}, tasks: [rte], vocab_size: 259, max_target_length: 32, "
+                     f"cache_dir: {tmp_path / 'cache'}}}\n"
+                     "search:\n  train.max_new_tokens: {type: categorical, choices: [24, 32]}\n")
+    out = subprocess.run([sys.executable, "-m", "hpsearch.tune", "--space", str(space), "--storage-path",
+                          str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
+                          "resources.workers=64"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert out.returncode == 2 and "one trial needs" in out.stderr, out.stderr[-2000:]
+
+
+def test_train_still_loads_hub_data_in_its_driver(tmp_path):
+    """`python -m hpsearch.train` loads the hub's rows before Ray starts (a study leaves them to its trials)."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "hpsearch.train", "data.source=hub", "data.tasks=rte",
+                          f"data.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path / 'out'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    err = out.stderr.strip()
+    assert out.returncode == 2 and err.splitlines() == [err] and "rte" in err and "hub" in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_comparison_checks_each_methods_targets(tmp_path):
+    """`hpsearch.compare` checks every method's data and target lengths before anything starts (a method that
+    overrides `train.max_new_tokens` too)."""
+    from hpsearch.compare.cli import main
+    from hpsearch.errors import ConfigError
+
+    glue = ROOT.parent / "shared" / "data" / "glue"
+    common = ["--storage-path", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db",
+              f"data.source={glue}", "data.tasks=rte", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(ConfigError, match="data.max_target_length: 2 cuts rte's target 'not_entailment'"):
+        main([*common, "data.max_target_length=2"])
+    with pytest.raises(ConfigError, match="train.max_new_tokens: 1 cannot generate rte's target 'not_entailment'"):
+        main([*common, "methods.mtl.train.max_new_tokens=1"])
+    assert not (tmp_path / "runs").exists()

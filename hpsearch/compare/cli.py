@@ -45,7 +45,7 @@ def prepare(args: argparse.Namespace):
     (comparison, state to save, backbone size per configuration, the suite's tasks, notes)."""
     from hpsearch.compare.fromstudy import apply_best
     from hpsearch.compare.spec import MAX_SEEDS, load_spec
-    from hpsearch.config import absolute_paths
+    from hpsearch.config import TARGET_FIELDS, absolute_paths, check_run_data
     from hpsearch.tracking import DEFAULT_TRACKING_URI, check_experiment_active, resolve_tracking_uri
     from hpsearch.tune.prepare import check_backbone, check_fits, claim, next_free_study, study_folder
     from hpsearch.tune.storage import open_storage
@@ -67,8 +67,13 @@ def prepare(args: argparse.Namespace):
     for cfg in [spec.config, *(m.config for m in spec.methods)]:
         absolute_paths(cfg)
     tasks = _tasks(spec.config)
+    checked = set()
     for entry in spec.entries():
         check_backbone(entry.config)
+        data = repr((entry.config.data, *(entry.config.flat()[f] for f in TARGET_FIELDS)))
+        if data not in checked:  # each method's data and target lengths (local data; the hub is left to the trials)
+            check_run_data(entry.config, hub=False)
+            checked.add(data)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         check_fits(spec)
     check_experiment_active(uri, name)  # deleted in the MLflow UI: it would take no runs

@@ -106,7 +106,9 @@ def _corpus(suite) -> Iterator[str]:
 
 def _count(tokenizer, text: str) -> int:
     """Tokens of `text` without the end token, in a transformers tokenizer or a `tokenizers.Tokenizer`."""
-    if hasattr(tokenizer, "encode_batch"):  # tokenizers' own (no transformers wrapper)
+    import tokenizers
+
+    if isinstance(tokenizer, tokenizers.Tokenizer):  # tokenizers' own (no transformers wrapper)
         return len(tokenizer.encode(text, add_special_tokens=False).ids)
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 

@@ -88,7 +88,7 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
                  "overrides": overrides, "tracking_uri": uri, "optuna_storage": optuna_url,
                  "system_metrics": args.system_metrics}
     absolute_paths(space.config)
-    check_data(space.config)
+    check_data(space.config, {p.name for p in space.params})
     check_backbone(space.config)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         check_fits(space)
@@ -159,11 +159,12 @@ def study_folder(storage: str | Storage, name: str, given_by: str = "--name") ->
     return (open_storage(storage) if isinstance(storage, str) else storage).study_dir(name)
 
 
-def check_data(cfg) -> None:
-    """Local data must load here, before any trial, its targets fitting the config's lengths
-    (`config.check_run_data`; the hub is left to the trials: it downloads)."""
-    from hpsearch.config import check_run_data
-    check_run_data(cfg)
+def check_data(cfg, searched: set[str] = frozenset()) -> None:
+    """Local data must load here, before any trial (the hub is left to the trials: it downloads), and its targets
+    fit the config's lengths (`config.check_run_data`) unless a field they depend on is `searched`: each trial
+    checks its own then."""
+    from hpsearch.config import TARGET_FIELDS, check_run_data
+    check_run_data(cfg, hub=False, targets=not searched & set(TARGET_FIELDS))
 
 
 def check_backbone(cfg) -> None:
