@@ -140,6 +140,18 @@ def open_store(uri: str) -> None:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def experiment_id(client, uri: str, name: str) -> str:
+    """The id of the experiment `name`, created when new. A sqlite store's experiment keeps its artifacts beside the
+    database (`<its folder>/mlruns/<name>`): MLflow's default is `./mlruns` in whatever folder the command ran in."""
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):
+        location = str(Path(uri.removeprefix("sqlite:///")).parent / "mlruns" / name.replace("/", "-"))
+    return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
+
+
 def store_folder(uri: str) -> Path | None:
     """Create the folder of a sqlite store (and of the Optuna database beside it) once every check that writes
     nothing has passed (`resolve_tracking_uri` only checks that it could be created). Returns the outermost folder
@@ -242,15 +254,13 @@ class StudyRun:
                params: dict[str, Any], description: str = "") -> StudyRun:
         open_store(tracking_uri)
         client = _client(tracking_uri)
-        experiment = client.get_experiment_by_name(experiment_name(study))
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-            experiment_name(study), tags=EXPERIMENT_TAGS)
+        experiment = experiment_id(client, tracking_uri, experiment_name(study))
         commit = git_commit()
-        run = client.create_run(experiment_id, run_name=study, tags={
+        run = client.create_run(experiment, run_name=study, tags={
             STUDY_TAG: study, ROLE_TAG: "study", "mlflow.source.git.commit": commit,
             "hpsearch.command": redacted(command),
             "mlflow.source.name": "python -m hpsearch.tune", "mlflow.note.content": description or study})
-        self = cls(tracking_uri, experiment_id, run.info.run_id)
+        self = cls(tracking_uri, experiment, run.info.run_id)
         from mlflow.entities import Param
         try:
             _log_batches(client, self.run_id, params=[Param(k, redacted(str(v))[:6000]) for k, v in params.items()])
@@ -361,10 +371,8 @@ class SingleRun:
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict[str, Any], command: str):
         open_store(tracking_uri)
         self.tracking_uri, self.client = tracking_uri, _client(tracking_uri)
-        found = self.client.get_experiment_by_name(experiment_name(experiment))
-        experiment_id = found.experiment_id if found else self.client.create_experiment(
-            experiment_name(experiment), tags=EXPERIMENT_TAGS)
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name, tags={
+        self.run_id = self.client.create_run(experiment_id(self.client, tracking_uri, experiment_name(experiment)),
+                                             run_name=run_name, tags={
             ROLE_TAG: experiment, "mlflow.source.git.commit": git_commit(), "hpsearch.command": redacted(command),
             "mlflow.source.name": command.split(" [")[0]}).info.run_id
         from mlflow.entities import Param

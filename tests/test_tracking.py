@@ -221,3 +221,31 @@ def _trial_config(root, config, trial_id):
 
 def _complete(last_result, failed):
     return "complete"
+
+
+def test_a_sqlite_stores_artifacts_are_kept_beside_it_not_where_the_command_ran(tmp_path, monkeypatch):
+    """MLflow's default artifact root is `./mlruns` in whatever folder a command runs in: a study's report, configs
+    and task parameters went there (the test suite's into the repository), away from the database they belong to."""
+    from hpsearch.tracking import SingleRun, StudyRun
+
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    study = StudyRun.create(uri, "s", space_path="space.yaml", space_text="x\n", command="c", params={})
+    study.finish()
+    single = SingleRun(uri, "pretrain", "run", params={}, command="python -m hpsearch.pretrain")
+    single.log_artifact(write_file(tmp_path / "notes.txt"))
+    client = MlflowClient(uri)
+    for name, run_id, artifact in (("hpsearch/s", study.run_id, "command.txt"),
+                                   ("hpsearch/pretrain", single.run_id, "notes.txt")):
+        experiment = client.get_experiment_by_name(name)
+        folder = tmp_path / "store" / "mlruns" / name.replace("/", "-")
+        assert experiment.artifact_location in (str(folder), folder.as_uri()), experiment.artifact_location
+        assert (folder / run_id / "artifacts" / artifact).is_file()
+    assert not list(cwd.iterdir())
+
+
+def write_file(path: Path) -> Path:
+    path.write_text("hello\n")
+    return path
