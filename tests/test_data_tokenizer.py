@@ -402,3 +402,58 @@ def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_
     with pytest.raises(ConfigError, match=r"^data.max_target_length: 2 cuts stsb's target '\d\.\d'"):
         check_targets_fit(tokenizer, stsb, 2, 8)
     assert numbers >= 2
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_two_ranks_evaluation_gathers_once_and_decodes_in_lockstep_only_under_zero3(tmp_path, monkeypatch, zero3):
+    """Each rank generates its share of every task's rows; one gather per evaluation brings every task's predictions
+    together (it was one per task). `synced_gpus` (a flag all-reduced and read on the host at every decoding step)
+    only under ZeRO-3, whose forwards gather parameters collectively. The gather is played by the two evaluators'
+    part of the other rank, which answers every row it holds right."""
+    from types import SimpleNamespace
+
+    from hpsearch.config import load_config
+    from hpsearch.data import decode
+    from hpsearch.data.tokens import TokenizedSuite
+    from hpsearch.train.evaluate import Evaluator
+
+    data = DataConfig(max_train_rows=20, max_eval_rows=30, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(data)
+    tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", data, suite, 8192), data)
+    answers = {tuple(s): t for task in suite.tasks for s, t in zip(*tokens.ids(task, "validation"))}
+    synced = []
+
+    class Oracle:
+        def eval(self):
+            pass
+
+        train = freeze_prompts = eval
+
+        def generate(self, input_ids, attention_mask, task_ids, synced_gpus, **kwargs):
+            synced.append(synced_gpus)
+            rows = [input_ids[i][attention_mask[i].bool()].tolist() for i in range(len(input_ids))]
+            out = torch.zeros(len(rows), 1 + max(len(answers[tuple(r)]) for r in rows), dtype=torch.long)
+            for i, r in enumerate(rows):
+                out[i, 1:1 + len(answers[tuple(r)])] = torch.tensor(answers[tuple(r)])
+            return out
+
+    gathers = []
+
+    def all_gather_object(gathered, obj):  # this rank's predictions, and the other rank's rows answered right
+        gathers.append(obj)
+        other = {task: {i: decode(tokens.tokenizer, [[0, *target]])[0]
+                        for i, target in enumerate(tokens.ids(task, "validation")[1]) if i not in preds}
+                 for task, preds in obj.items()}
+        gathered[:] = [obj, other]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    cfg = load_config(None, ["train.eval_batch_size=4"])
+    engine = SimpleNamespace(module=Oracle(), zero_optimization_partition_weights=lambda: zero3)
+    for rank in (0, 1):
+        gathers.clear()
+        metrics = Evaluator(engine, suite, tokens, cfg, rank, 2, torch.device("cpu")).evaluate("validation")
+        assert len(gathers) == 1 and set(gathers[0]) == set(suite.tasks)  # one gather per evaluation, every task
+        for task in suite.tasks:  # this rank generated its own share of the rows: every other row
+            assert set(gathers[0][task]) == set(range(rank, len(suite.split(task, "validation")), 2))
+        assert metrics["score"] == 100.0 and all(metrics[f"task/{t}/score"] == 100.0 for t in suite.tasks)
+    assert synced and set(synced) == {zero3}

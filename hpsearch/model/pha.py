@@ -195,7 +195,7 @@ class PHAT5(MultiTaskT5):
         """PHA's retrieval for a new task: the task whose prototype is nearest (cosine) to the rows' z, from one
         encoder pass (the encoder's adapters are the same for every task)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        ctx = self.task_context(torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device))
+        ctx = self.task_context(torch.zeros(ids.shape[0], dtype=torch.long))  # on the CPU: checked there, no sync
         with self._using(ctx):
             hidden = self.t5.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         return self.nearest_prototype(hidden, mask)

@@ -8,7 +8,10 @@ import torch
 
 class Evaluator:
     """Generate on every task's split, parse, score. Rows are sharded over ranks; every rank runs the same
-    number of generate calls (ZeRO-3 gathers parameters collectively), with `synced_gpus` across ranks."""
+    number of generate calls. Under ZeRO-3, which gathers parameters collectively in every forward, the ranks also
+    decode in lockstep (`synced_gpus`: a flag all-reduced and read on the host at every decoding step); the other
+    stages keep whole parameters on every rank, so each rank decodes on its own. One gather of the predictions per
+    evaluation, and the batches go to a GPU from pinned memory without waiting."""
 
     def __init__(self, engine, suite, tokens, cfg, rank, world, device):
         self.engine, self.suite, self.tokens, self.tok, self.cfg = engine, suite, tokens, tokens.tokenizer, cfg
@@ -30,7 +33,10 @@ class Evaluator:
         model.eval()
         model.freeze_prompts()  # inference pays no hypernetwork cost
         bs = self.cfg.train.eval_batch_size
-        metrics, scores = {}, {}
+        lockstep = self.world > 1 and self.engine.zero_optimization_partition_weights()  # ZeRO-3's gathers
+        pin = self.device.type == "cuda"
+        to_device = lambda t: t.pin_memory().to(self.device, non_blocking=True) if pin else t.to(self.device)
+        metrics, scores, predictions = {}, {}, {}
         for task_id, task in enumerate(self.suite.tasks):
             rows = self.suite.split(task, split)
             if not rows:
@@ -44,15 +50,18 @@ class Evaluator:
                 idx = mine[b * bs:(b + 1) * bs]
                 picks = [(task_id, i) for i in idx] or [(task_id, 0)]  # a dummy row keeps ranks in lockstep
                 batch = self.tokens.batch(picks, split)
-                out = model.generate(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                out = model.generate(to_device(batch["input_ids"]), to_device(batch["attention_mask"]),
                                      task_ids=batch["task_ids"],  # the model moves them (checked on the CPU)
                                      max_new_tokens=self.cfg.train.max_new_tokens, do_sample=False, num_beams=1,
-                                     synced_gpus=self.world > 1)
+                                     synced_gpus=lockstep)
                 preds.update(zip(idx, decode(self.tok, out)))
-            if self.world > 1:
-                gathered: list = [None] * self.world
-                torch.distributed.all_gather_object(gathered, preds)
-                preds = {k: v for part in gathered for k, v in part.items()}
+            predictions[task] = preds
+        if self.world > 1:  # every task's predictions in one gather
+            gathered: list = [None] * self.world
+            torch.distributed.all_gather_object(gathered, predictions)
+            predictions = {task: {k: v for part in gathered for k, v in part[task].items()} for task in predictions}
+        for task, preds in predictions.items():
+            rows = self.suite.split(task, split)
             result = score_task(task, [preds[i] for i in range(len(rows))], rows)
             scores[task] = result["score"]
             tag = prefix or "task"
