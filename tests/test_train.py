@@ -248,6 +248,15 @@ def test_gpu_deepspeed_config_is_built_and_validated_without_gpu():
     assert deepspeed_config(gpu, 2, 3, hidden=768)["zero_optimization"]["reduce_bucket_size"] == 25 * 2**20 // 2
     assert deepspeed_config(gpu, 2, 3, hidden=4096)["zero_optimization"]["reduce_bucket_size"] == 4096**2
     assert DeepSpeedConfig(cpu).zero_config.reduce_bucket_size == 5e8  # without the model's size: DeepSpeed's own
+    # bf16 at stage 0 is torch's autocast (DeepSpeed's bf16 there reads every gradient on the host each step);
+    # stages 1-3 keep DeepSpeed's bf16; fp32 neither
+    import torch
+    for stage, autocast in ((0, True), (1, False), (3, False)):
+        parsed = DeepSpeedConfig(deepspeed_config(gpu, 1, stage))
+        assert (parsed.torch_autocast_enabled, parsed.bfloat16_config.enabled) == (autocast, not autocast), stage
+        assert not autocast or parsed.torch_autocast_dtype == torch.bfloat16
+    parsed = DeepSpeedConfig(deepspeed_config(load_config(), 1, 0))
+    assert not parsed.torch_autocast_enabled and not parsed.bfloat16_config.enabled
 
 
 def test_auto_zero_stage_keeps_a_model_that_fits_whole_and_partitions_one_that_does_not(monkeypatch):
@@ -1305,12 +1314,16 @@ def test_a_ray_checkpoint_written_in_the_runs_staging_area_is_moved_into_its_fol
     assert calls[-1] == ("copied", str(elsewhere), "checkpoint_2")
 
 
-def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path, precision):
     """The recipe's loop (tests/workers/host_reads.py, a one-rank run in one process): between taking a batch and
     folding the window, its micro-steps (forward, backward, DeepSpeed's step, the window's sums) read no tensor value
     on the host and run one collective per optimizer step only, DeepSpeed's gradient-norm reduction for clipping; each
     log or evaluation boundary folds the window in one all-reduce and one read. On a GPU every such read is a device
-    synchronisation. Before: DeepSpeed's throughput timer synchronised the device twice every micro-step."""
+    synchronisation. Before: DeepSpeed's throughput timer synchronised the device twice every micro-step. bf16 (the
+    GPU workers' default, run here on DeepSpeed's CPU accelerator) at stage 0 is torch's autocast: DeepSpeed's own
+    bf16 wrapped the optimizer in one whose overflow check read every gradient on the host (330 reads in these 6
+    steps); its best weights are still 16-bit."""
     out = tmp_path / "reads.json"
     steps, log_every, accum = 6, 3, 2
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "workers" / "host_reads.py"), str(out),
@@ -1318,10 +1331,16 @@ def test_a_micro_step_reads_nothing_on_the_host_and_a_window_folds_once(tmp_path
                           f"train.eval_every={steps}", f"train.grad_accum={accum}", "train.micro_batch_size=4",
                           "data.batching=mixed", "data.synthetic_train_rows=60", "data.synthetic_eval_rows=8",
                           f"train.output_dir={tmp_path / 'run'}"],
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+                         env={**os.environ, "DS_ACCELERATOR": "cpu", **({"HOST_READS_BF16": "1"} if precision == "bf16"
+                                                                         else {})},
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["metrics"]["step"] == steps
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "run" / "checkpoints" / "best" / f"step_{steps}.safetensors"), "pt") as best:
+        dtypes = {best.get_slice(name).get_dtype() for name in best.keys()}
+    assert dtypes == {"BF16" if precision == "bf16" else "F32"}, dtypes
     assert report["events"].get("step") == {"collective all_reduce in deepspeed/runtime/utils.py:clip_grad_norm_":
                                             steps}, report["events"].get("step")
     assert report["folds"] == steps // log_every

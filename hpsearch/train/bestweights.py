@@ -68,12 +68,16 @@ def partition_range(p) -> tuple[int, int]:
 
 def save_best(engine, rank: int, filesystem, path: str) -> None:
     """Rank 0 writes the weights training changes as safetensors at `path` of a pyarrow `filesystem`, in their
-    training dtype (16-bit when training is): weights only, no optimizer state. Under ZeRO-3 the parameters are
-    gathered one at a time, so no rank holds more than one full parameter beyond its shard. Every rank calls this."""
+    training dtype (16-bit when training is, under torch's autocast too): weights only, no optimizer state. Under
+    ZeRO-3 the parameters are gathered one at a time, so no rank holds more than one full parameter beyond its
+    shard. Every rank calls this."""
     import torch
     from safetensors.torch import save
 
     state = gather_on_rank0(_trained(engine), rank)
+    if rank == 0 and getattr(engine, "torch_autocast_enabled", lambda: False)():  # fp32 weights, 16-bit training:
+        dtype = engine.torch_autocast_dtype()  # kept 16-bit, as DeepSpeed's bf16 modules are
+        state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in state.items()}
     if rank == 0:
         filesystem.create_dir(path.rsplit("/", 1)[0])
         with filesystem.open_output_stream(path) as out:

@@ -1,6 +1,7 @@
 """Validation and test scoring: greedy generation on every task's split, rows sharded over the ranks."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,6 +36,9 @@ class Evaluator:
         bs = self.cfg.train.eval_batch_size
         lockstep = self.world > 1 and self.engine.zero_optimization_partition_weights()  # ZeRO-3's gathers
         pin = self.device.type == "cuda"
+        autocast = getattr(self.engine, "torch_autocast_enabled", lambda: False)()  # the dtype training computes in
+        precision = torch.autocast(self.device.type, dtype=self.engine.torch_autocast_dtype()) if autocast else \
+            contextlib.nullcontext()
         to_device = lambda t: t.pin_memory().to(self.device, non_blocking=True) if pin else t.to(self.device)
         metrics, scores, predictions = {}, {}, {}
         for task_id, task in enumerate(self.suite.tasks):
@@ -50,10 +54,11 @@ class Evaluator:
                 idx = mine[b * bs:(b + 1) * bs]
                 picks = [(task_id, i) for i in idx] or [(task_id, 0)]  # a dummy row keeps ranks in lockstep
                 batch = self.tokens.batch(picks, split)
-                out = model.generate(to_device(batch["input_ids"]), to_device(batch["attention_mask"]),
-                                     task_ids=batch["task_ids"],  # the model moves them (checked on the CPU)
-                                     max_new_tokens=self.cfg.train.max_new_tokens, do_sample=False, num_beams=1,
-                                     synced_gpus=lockstep)
+                with precision:
+                    out = model.generate(to_device(batch["input_ids"]), to_device(batch["attention_mask"]),
+                                         task_ids=batch["task_ids"],  # the model moves them (checked on the CPU)
+                                         max_new_tokens=self.cfg.train.max_new_tokens, do_sample=False,
+                                         num_beams=1, synced_gpus=lockstep)
                 preds.update(zip(idx, decode(self.tok, out)))
             predictions[task] = preds
         if self.world > 1:  # every task's predictions in one gather

@@ -88,6 +88,10 @@ def fold_spied(self, *args):
 
 
 Prefetch.next, loop.Window.fold = next_spied, fold_spied
+if os.environ.get("HOST_READS_BF16"):  # the GPU workers' default precision, on this CPU (DeepSpeed's CPU accelerator
+    from hpsearch.train import dsconfig  # runs it; the run config refuses bf16 without GPU workers)
+
+    dsconfig.use_bf16 = lambda cfg: True
 cfg = load_config(None, overrides)
 from deepspeed.accelerator import get_accelerator  # noqa: E402  (after the loop set DS_ACCELERATOR)
 
