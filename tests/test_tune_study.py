@@ -551,3 +551,34 @@ def test_a_full_disk_is_one_line_and_the_runs_are_ended(tmp_path):
     client, parents, children = study_runs(tmp_path, "df")
     assert [p.info.status for p in parents] == ["FAILED"]
     assert children and all(c.info.status == "FAILED" for c in children)
+
+
+@pytest.mark.slow
+def test_searched_values_the_run_config_refuses_fail_their_trial_not_the_study(tmp_path):
+    """A combination of searched values that each pass the space's checks against the fixed config but not
+    together (MTL has no task parameters to train alone) fails that trial in one line; the study goes on and
+    finishes (it stopped after Ray had started, and `--resume` stopped the same way, for ever)."""
+    space = tmp_path / "space.yaml"
+    space.write_text("name: mixed\nmodel: {backbone: t5-tiny}\n"
+                     "data: {source: synthetic, synthetic_train_rows: 50, synthetic_eval_rows: 10}\n"
+                     "search:\n  model.method: {type: categorical, choices: [mtl, lora]}\n"
+                     "  model.train_task_params_only: {type: categorical, choices: [false, true]}\n"
+                     "objectives: [{metric: score, mode: max}]\n"
+                     "budget: {trials: 2, max_steps: 2, eval_every: 1, grace_period: 1, max_failures: 0}\n"
+                     "resources: {workers: 1}\npoints_to_evaluate:\n"
+                     "  - {model.method: mtl, model.train_task_params_only: true}\n"
+                     "  - {model.method: lora, model.train_task_params_only: true}\n")
+    out = subprocess.run(tune_cmd(tmp_path, "mixed", "--space", str(space)), capture_output=True, text=True,
+                         timeout=600, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stdout + out.stderr
+    client, parents, children = study_runs(tmp_path, "mixed")
+    assert parents[0].info.status == "FINISHED" and len(children) == 2
+    by_method = {c.data.params["model.method"]: c for c in children}
+    bad, good = by_method["mtl"], by_method["lora"]
+    assert bad.info.status == "FAILED" and "train_task_params_only" in bad.data.tags["hpsearch.error"], bad.data.tags
+    assert good.info.status == "FINISHED" and "score" in good.data.metrics
+    import optuna
+    states = sorted(t.state.name for t in optuna.load_study(study_name="mixed",
+                                                            storage=f"sqlite:///{tmp_path}/optuna.db").trials)
+    assert states == ["COMPLETE", "FAIL"], states

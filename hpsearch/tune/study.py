@@ -166,10 +166,15 @@ def run_trial(config: dict[str, Any], study: Study) -> None:
     with its Ray Train trainer."""
     import ray.tune
 
+    from hpsearch.errors import UserError
     from hpsearch.train import failure_reason
 
     trial_id = ray.tune.get_context().get_trial_id()
-    cfg = study.trial_config(config, trial_id)
+    try:
+        cfg = study.trial_config(config, trial_id)
+    except UserError as e:  # a combination of searched values the run config refuses: this trial fails, in one line
+        raise TrialFailed(f"the searched values {json.dumps(config, default=str)} make no valid run config: {e}"
+                          ) from None
     marker = Path(cfg.train.output_dir, "FAILED")
     if marker.is_file():  # a deterministic failure (non-finite loss, bad data or config): a retry would fail again
         raise TrialFailed(marker.read_text().strip())

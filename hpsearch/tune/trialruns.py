@@ -68,12 +68,25 @@ class TrialRuns(LoggerCallback):
         self._runs[tid] = run.info.run_id
         return run.info.run_id
 
+    def _config(self, trial):
+        """The trial's run config, or the one-line reason the run config refuses its searched values (a combination
+        the space's checks could not see; the trial then fails on its own, the study goes on)."""
+        from hpsearch.errors import UserError
+        try:
+            return self.trial_config(trial.config, trial.trial_id)
+        except UserError as e:
+            return str(e)
+
     def _create(self, trial):
         from mlflow.entities import Param
-        cfg = self.trial_config(trial.config, trial.trial_id)
+        cfg = self._config(trial)
         run = self.client.create_run(self.experiment_id, run_name=f"trial_{trial.trial_id}", tags={
             PARENT_TAG: self.parent_run_id, STUDY_TAG: self.study, TRIAL_TAG: trial.trial_id, ROLE_TAG: "trial",
             "hpsearch.searched": ",".join(sorted(trial.config))})
+        if isinstance(cfg, str):  # its searched values as params, and why it cannot run
+            _log_batches(self.client, run.info.run_id, params=[Param(k, str(v)) for k, v in trial.config.items()])
+            self.client.set_tag(run.info.run_id, "hpsearch.error", cfg[:5000])
+            return run
         active = {f"model.{name}" for name in cfg.model.active_fields()}  # a sep trial logs no layer_task_dim
         flat = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in cfg.flat().items()
                 if not k.startswith("model.") or k in active}
@@ -104,7 +117,10 @@ class TrialRuns(LoggerCallback):
         if failed and trial.error_file and Path(trial.error_file).is_file():
             error = Path(trial.error_file).read_text().strip().splitlines()
             self.client.set_tag(run_id, "hpsearch.error", (error[-1] if error else "")[:5000])
-        exports = Path(self.trial_config(trial.config, trial.trial_id).train.output_dir, "task_params")
+        cfg = self._config(trial)
+        if isinstance(cfg, str):  # its values never made a run config: nothing ran, nothing to export
+            failed = True
+        exports = None if isinstance(cfg, str) else Path(cfg.train.output_dir, "task_params")
         if not failed and self.storage is not None and self.storage.remote:  # written on the node of its rank 0
             self.storage.pull(self.study, f"trials/{trial.trial_id}/task_params")
         if not failed and exports.is_dir():
