@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     if not 1 <= num_tasks <= MAX_TASKS:
         raise ConfigError(f"--num-tasks: {num_tasks}; expected an integer in [1, {MAX_TASKS}]")
     from hpsearch.model import check_local_backbone
-    check_local_backbone(cfg.model.backbone)
+    check_local_backbone(cfg.model.backbone, tokenizer=False)
     report = count(cfg, num_tasks)
     if args.json:
         print(json.dumps(report))

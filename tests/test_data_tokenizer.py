@@ -457,3 +457,19 @@ def test_two_ranks_evaluation_gathers_once_and_decodes_in_lockstep_only_under_ze
             assert set(gathers[0][task]) == set(range(rank, len(suite.split(task, "validation")), 2))
         assert metrics["score"] == 100.0 and all(metrics[f"task/{t}/score"] == 100.0 for t in suite.tasks)
     assert synced and set(synced) == {zero3}
+
+
+def test_a_checkpoint_without_its_tokenizer_files_is_refused(tmp_path):
+    """transformers builds T5's slow tokenizer around nothing for a folder without tokenizer files: every word became
+    <unk> (id 2) and training went on. The workers refuse it, as the drivers do before anything starts."""
+    from hpsearch.model.backbones import load_backbone
+
+    folder = tmp_path / "backbone"
+    load_backbone("t5-tiny").save_pretrained(folder)
+    data = DataConfig(max_train_rows=10, max_eval_rows=4, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(data)
+    with pytest.raises(ConfigError, match=r"backbone has no tokenizer \(tokenizer.json or spiece.model\)"):
+        get_tokenizer(str(folder), data, suite, 4096)
+    train_tokenizer(["some words here", "and more there"] * 20, 300, tmp_path / "cache").save_pretrained(folder)
+    tokenizer = get_tokenizer(str(folder), data, suite, 4096)  # with its files: its own tokenizer
+    assert 2 not in tokenizer("some words", add_special_tokens=False).input_ids

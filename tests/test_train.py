@@ -360,9 +360,12 @@ cli.main(sys.argv[1:])
 def test_the_driver_checks_a_run_without_importing_torch(tmp_path):
     """Config, data and backbone checks run before Ray starts and import neither torch nor transformers (the
     workers' imports, ~4 s here): a mistake is one line at once, and a run reaches Ray sooner."""
+    from hpsearch.data.tokenizer import train_tokenizer
     from hpsearch.model.backbones import load_backbone
 
-    load_backbone("t5-tiny").save_pretrained(tmp_path / "backbone")  # a local checkpoint, as pretrain writes one
+    load_backbone("t5-tiny").save_pretrained(tmp_path / "backbone")  # a local checkpoint, as pretrain writes one,
+    train_tokenizer(["a few words", "to train on"] * 20, 300, tmp_path / "cache").save_pretrained(
+        tmp_path / "backbone")  # with its tokenizer
     glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
     data = [f"data.source={glue}", "data.tasks=rte,cb"] if glue.is_dir() else []
     for args in (["model.method=hyperprompt"], ["model.method=lora", "model.backbone=t5-small", *data],

@@ -85,6 +85,11 @@ def check_targets_fit(tokenizer, tasks: Sequence[str], max_target_length: int, m
 def _checkpoint_tokenizer(backbone: str, vocab_size: int):
     from transformers import AutoTokenizer
 
+    from hpsearch.model.backbones import missing_tokenizer
+
+    why = missing_tokenizer(backbone)
+    if why:
+        raise ConfigError(why)
     try:
         tokenizer = AutoTokenizer.from_pretrained(backbone)
     except Exception as e:

@@ -133,12 +133,32 @@ def _check_local(backbone) -> None:
                           "runs/pretrain/backbone)")
 
 
-def check_local_backbone(backbone: str) -> None:
+# the files a checkpoint's tokenizer is read from (transformers' AutoTokenizer): the fast tokenizer's, T5's
+# SentencePiece model, a BPE's or WordPiece's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt")
+
+
+def missing_tokenizer(backbone) -> str | None:
+    """Why a local checkpoint folder cannot give its tokenizer (it has none of `TOKENIZER_FILES`), else None.
+    Without them transformers built T5's slow tokenizer around nothing, and every word became <unk>."""
+    folder = Path(str(backbone)).expanduser()
+    if not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (f"model.backbone: {backbone} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); expected the "
+            "tokenizer files beside config.json, as python -m hpsearch.pretrain and save_pretrained write them")
+
+
+def check_local_backbone(backbone: str, tokenizer: bool = True) -> None:
     """Before anything starts: a local backbone folder (not a hub id: that needs the network) must be a checkpoint
-    or an hpsearch export; else a one-line ConfigError. Reads files only (no transformers, no torch)."""
+    or an hpsearch export, with its tokenizer when the run reads it (`tokenizer`: fine-tuning does, counting
+    parameters and pretraining, which trains its own, do not); else a one-line ConfigError. Reads files only (no
+    transformers, no torch)."""
     if (Path(str(backbone)).expanduser() / "hpsearch_model.json").is_file():
         return
     _check_local(backbone)
+    why = missing_tokenizer(backbone) if tokenizer else None
+    if why:
+        raise ConfigError(why)
 
 
 def new_t5(config: T5Config, init: bool = True) -> T5ForConditionalGeneration:

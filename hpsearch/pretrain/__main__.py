@@ -76,7 +76,7 @@ def _check(cfg, corpus, resume_from, local: bool) -> None:
     from hpsearch.model.backbones import backbone_config
     from hpsearch.pretrain.corpus import Chunks, read_corpus
 
-    check_local_backbone(cfg.model.backbone)
+    check_local_backbone(cfg.model.backbone, tokenizer=False)  # it trains its own
     texts = read_corpus(corpus, cfg.data)
     # the backbone's config and the tokenizer import transformers and torch (~2 s): after the corpus' own checks
     vocab = backbone_config(cfg.model.backbone, cfg.model.vocab_size).vocab_size
