@@ -122,9 +122,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate(self) -> None:
-        for section in SECTIONS:
-            getattr(self, section).validate()
+    def validate(self, read: bool = True) -> None:
+        """Every section; `read=False`: the data source is not looked at (see DataConfig.validate)."""
+        self.model.validate(), self.train.validate(), self.data.validate(read=read)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -272,8 +272,9 @@ def parse_override(text: str) -> tuple[str, str]:
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = (),
-                base: dict | None = None) -> RunConfig:
-    """Defaults <- `base` mapping <- YAML file <- overrides, then validation."""
+                base: dict | None = None, read: bool = True) -> RunConfig:
+    """Defaults <- `base` mapping <- YAML file <- overrides, then validation (`read=False`: without looking at the
+    data source, which a worker's objective reads itself, or not at all: pretraining on a corpus folder)."""
     cfg = RunConfig()
     if base:
         apply_mapping(cfg, base, "<defaults>")
@@ -283,7 +284,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     for text in overrides:
         key, value = parse_override(text)
         set_field(cfg, key, value, f"override {text!r}")
-    cfg.validate()
+    cfg.validate(read)
     return cfg
 
 
@@ -317,6 +318,10 @@ def check_run_data(cfg: RunConfig, hub: bool = True, targets: bool = True) -> No
     suite = load_suite(cfg.data)
     if not any(suite.sizes("train")):
         raise ConfigError(f"data.tasks: no task has training rows in {cfg.data.source}")
+    if not any(suite.sizes("validation")):  # the run would score NaN and pick no best step, and say nothing
+        raise ConfigError(f"data.tasks: no task has validation rows in {cfg.data.source} (a task with fewer than 10k "
+                          "training rows halves its validation file into validation and test); expected at least 2 "
+                          "rows in a task's validation file")
     if targets:
         check_targets_early(cfg.model.backbone, named_vocab_size(cfg.model.backbone, cfg.model.vocab_size),
                             cfg.data, suite, cfg.train.max_new_tokens)

@@ -408,3 +408,15 @@ def test_a_corpus_folder_needs_no_suite_folder(tmp_path):
         load_pretrain_config(None, ["data.source=/no/such/folder"])
     with pytest.raises(ConfigError, match="data.temperature"):
         load_pretrain_config(None, [f"corpus.path={tmp_path}", "data.temperature=-1"])
+
+
+def test_pretraining_on_a_corpus_folder_runs_where_no_suite_folder_is(tmp_path):
+    """The same through the recipe: the loop read the run config again with the data source's folder required, so a
+    run from a folder without `../shared/data/glue` beside it failed in the loop (after the MLflow run was made)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(f"line {i} of some plain text to pretrain on\n" for i in range(400)))
+    out = pretrain("--local", "model.backbone=t5-tiny", f"corpus.path={corpus}", "corpus.max_length=32",
+                   "corpus.heldout_chunks=4", "train.max_steps=2", "train.eval_every=2", "train.micro_batch_size=8",
+                   f"train.output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+    assert out["step"] == 2 and not (tmp_path.parent / "shared").exists()

@@ -131,7 +131,7 @@ def train_loop(loop_config: dict, session=None) -> dict:
             return _train(loop_config, session, on_exit)
     except Exception as e:  # OSError, RuntimeError (torch.save), SafetensorError (a Hugging Face save_pretrained)
         if disk_full(e):  # checkpoints, exports or Ray's upload of them: say so, do not retry
-            where = getattr(e, "filename", None) or load_config(base=loop_config["run"]).train.output_dir
+            where = getattr(e, "filename", None) or load_config(base=loop_config["run"], read=False).train.output_dir
             raise checkpoints.DiskFull(f"no space left on device writing {where}; free space there, then resume "
                                        "(python -m hpsearch.tune --resume, or --resume-from)") from None
         raise
@@ -145,7 +145,9 @@ def train_loop(loop_config: dict, session=None) -> dict:
 
 
 def _train(loop_config: dict, session, on_exit: contextlib.ExitStack) -> dict:
-    cfg = load_config(base=loop_config["run"])
+    # checked in the driver; the objective reads its data itself (pretraining on a corpus folder never reads the
+    # suite, whose folder need not exist: the run's data.source is the driver's default, made absolute there)
+    cfg = load_config(base=loop_config["run"], read=False)
     if not cfg.train.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_flush_denormal(True)  # subnormal floats (tiny optimizer moments, late in training) are slow on CPU
