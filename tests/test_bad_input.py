@@ -23,6 +23,15 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     notckpt = tmp / "not-a-checkpoint"
     notckpt.mkdir()
     (notckpt / "notes.txt").write_text("hello")
+    noval = tmp / "no-validation" / "rte"  # one validation row: halved into 0 validation rows and 1 test row
+    noval.mkdir(parents=True)
+    row = lambda i: json.dumps({"sentence1": f"a sentence {i}", "sentence2": f"another {i}", "label": i % 2})
+    (noval / "train.jsonl").write_text("".join(row(i) + "\n" for i in range(30)))
+    (noval / "validation.jsonl").write_text(row(0) + "\n")
+    notok = tmp / "no-tokenizer"  # a checkpoint without its tokenizer: every word became <unk>
+    notok.mkdir()
+    (notok / "config.json").write_text("{}")
+    (notok / "model.safetensors").write_text("")
     study = tmp / "runs" / "broken"
     study.mkdir(parents=True)
     (study / "hpsearch-study.json").write_text('{"name": "broken", "space_te')
@@ -102,6 +111,16 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "pretrain not plain": ([*pretrain, "model.method=hyperprompt"], "pretraining trains the plain backbone"),
         "pretrain unknown field": ([*pretrain, "corpus.noise=0.2"], "unknown field 'corpus.noise'"),
         "pretrain bad density": ([*pretrain, "corpus.noise_density=1.5"], "corpus.noise_density: 1.5"),
+        "train no validation rows": (["hpsearch.train", f"data.source={noval.parent}", "data.tasks=rte",
+                                      f"train.output_dir={tmp}/train-out"], "no task has validation rows"),
+        "train backbone without tokenizer": (["hpsearch.train", f"model.backbone={notok}",
+                                              f"train.output_dir={tmp}/train-out"],
+                                             "no-tokenizer has no tokenizer (tokenizer.json or spiece.model)"),
+        "study backbone without tokenizer": ([*tune, f"model.backbone={notok}"], "has no tokenizer"),
+        "study searched backbone not a checkpoint": (
+            [*tune, "--space", write(tmp / "bb.yaml", "search:\n  model.backbone: {type: categorical, choices: "
+                                                     f"[t5-tiny, {notckpt}]}}\n")],
+            "not-a-checkpoint is not a checkpoint"),
         # a label word cut by the target length: each worker said it, with a traceback, after Ray had started
         "train target cut": (["hpsearch.train", *rte, "data.max_target_length=2", f"train.output_dir={tmp}/train-out"],
                              "data.max_target_length: 2 cuts rte's target 'not_entailment' ("),
@@ -120,7 +139,8 @@ NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite now
          "params unknown backbone", "params too many tasks", "params argparse", "train backbone not a checkpoint",
          "study backbone not pretrained yet", "pretrain corpus missing", "pretrain validation file",
          "pretrain not plain", "pretrain unknown field", "pretrain bad density", "train target cut",
-         "study target cut"]
+         "study target cut", "train no validation rows", "train backbone without tokenizer",
+         "study backbone without tokenizer", "study searched backbone not a checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +346,23 @@ def test_a_comparison_checks_each_methods_targets(tmp_path):
     with pytest.raises(ConfigError, match="train.max_new_tokens: 1 cannot generate rte's target 'not_entailment'"):
         main([*common, "methods.mtl.train.max_new_tokens=1"])
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("command", ["hpsearch.train", "hpsearch.tune", "hpsearch.compare"])
+def test_a_ray_address_where_nothing_answers_is_one_line(command, tmp_path):
+    """After `ray stop` with RAY_ADDRESS still exported, ray.init retried the dead address every 30 s until Ctrl-C
+    (then a traceback): the address is probed once before anything starts."""
+    from hpsearch.train.launch import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    args = {"hpsearch.train": [f"train.output_dir={tmp_path / 'out'}"],
+            "hpsearch.tune": ["--storage-path", str(tmp_path / "runs"), "--tracking-uri",
+                              f"sqlite:///{tmp_path}/mlflow.db"],
+            "hpsearch.compare": ["--storage-path", str(tmp_path / "runs"), "--tracking-uri",
+                                 f"sqlite:///{tmp_path}/mlflow.db"]}[command]
+    out = subprocess.run([sys.executable, "-m", command, *args], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "RAY_ADDRESS": address, "PYTHONWARNINGS": "ignore"})
+    err = out.stderr.strip()
+    assert out.returncode == 2 and err.splitlines() == [err], err[-2000:]
+    assert f"RAY_ADDRESS={address}: no Ray cluster answers there" in err
+    assert not list(tmp_path.iterdir())  # nothing written

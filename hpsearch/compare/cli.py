@@ -76,6 +76,9 @@ def prepare(args: argparse.Namespace):
             checked.add(data)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         check_fits(spec)
+    else:  # a cluster to join: it must answer
+        from hpsearch.train.launch import check_ray_address
+        check_ray_address()
     check_experiment_active(uri, name)  # deleted in the MLflow UI: it would take no runs
     # the checks above need no torch; building each configuration on the meta device (which also checks that it
     # builds) imports torch and the model library (~5 s); then the storage folder is made (the last check)

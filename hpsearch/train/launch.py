@@ -168,11 +168,30 @@ def shortfall(needs: dict[str, float]) -> tuple[str, float, float, bool] | None:
 RAY_COUNTS = " (as Ray counts them: a container's CPU limit, whole CPUs)"  # said when that count falls short
 
 
+def check_ray_address(timeout: float = 5.0) -> None:
+    """RAY_ADDRESS names a cluster to join: something must answer at its host and port, else one line before anything
+    starts (ray.init retried a dead address every 30 s until interrupted, e.g. after `ray stop` with the variable
+    still set). `auto` and an address without a port are left to Ray."""
+    import re
+
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    found = re.fullmatch(r"(?:ray://)?\[?([^\[\]/]+?)\]?:(\d+)/?", address)
+    if not found:
+        return
+    try:
+        socket.create_connection((found.group(1), int(found.group(2))), timeout=timeout).close()
+    except OSError as e:
+        raise UserError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
+                        "unset RAY_ADDRESS for a private local Ray, or start the cluster (ray start --head)"
+                        ) from None
+
+
 def check_fits_locally(cfg: RunConfig) -> None:
     """A run on a private local Ray whose workers this machine can never hold would wait for them (Ray Train's
     worker group times out and retries): one line before Ray starts. Joined to a cluster (RAY_ADDRESS), the
-    cluster decides."""
+    cluster decides; it must answer (`check_ray_address`)."""
     if os.environ.get("RAY_ADDRESS"):
+        check_ray_address()
         return
     t = cfg.train
     needs = {"CPU": t.num_workers * t.cpus_per_worker}

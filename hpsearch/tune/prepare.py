@@ -89,9 +89,12 @@ def prepare(args: argparse.Namespace) -> tuple[Study, dict]:
                  "system_metrics": args.system_metrics}
     absolute_paths(space.config)
     check_data(space.config, {p.name for p in space.params})
-    check_backbone(space.config)
+    check_backbone(space.config, space.params)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         check_fits(space)
+    else:  # a cluster to join: it must answer
+        from hpsearch.train.launch import check_ray_address
+        check_ray_address()
     check_experiment_active(state["tracking_uri"], name)
     storage.check_writable()  # after the checks that write nothing: it creates the storage's folder
     made = store_folder(state["tracking_uri"])  # and the MLflow store's (the Optuna database may go beside it)
@@ -167,13 +170,16 @@ def check_data(cfg, searched: set[str] = frozenset()) -> None:
     check_run_data(cfg, hub=False, targets=not searched & set(TARGET_FIELDS))
 
 
-def check_backbone(cfg) -> None:
+def check_backbone(cfg, searched: list | None = None) -> None:
     """A local backbone folder must be a checkpoint (a hub id is left to the trials: it downloads), and one this
-    library pretrained must not have trained on the rows this suite validates on."""
+    library pretrained must not have trained on the rows this suite validates on: the fixed config's, and each
+    value of a searched `model.backbone` (`searched`: the space's params)."""
     from hpsearch.model import check_local_backbone
     from hpsearch.pretrain.corpus import check_backbone_corpus
-    check_local_backbone(cfg.model.backbone)
-    check_backbone_corpus(cfg.model.backbone, cfg.data)
+    choices = next((p.choices or [] for p in searched or [] if p.name == "model.backbone"), [])
+    for backbone in dict.fromkeys([cfg.model.backbone, *choices]):
+        check_local_backbone(backbone)
+        check_backbone_corpus(backbone, cfg.data)
 
 
 def check_fits(space) -> None:
