@@ -1018,3 +1018,29 @@ def test_resume_without_the_studys_optuna_database_is_one_line(tmp_path):
     with_query = f"{study.optuna_storage}?timeout=30"
     study.save_state({**state, "optuna_storage": with_query})
     assert prepare(parse_args([*args, "--name", "s", "--resume"]))[0].optuna_storage == with_query
+
+
+def test_a_task_objective_names_a_task_of_the_suite_as_results_do(tmp_path):
+    """`task/<task>/score` is checked against the suite's tasks by their canonical names: with the default data.tasks
+    a folder source stands for its own tasks (task/rte/score was refused, the synthetic task/first/score accepted,
+    and every trial then failed without that metric), and SST-2 is reported as sst2."""
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+
+    def space(metric: str, tasks: str | None = None) -> Path:
+        path = tmp_path / "space.yaml"
+        path.write_text(f"data: {{source: {glue}{', tasks: [' + tasks + ']' if tasks else ''}}}\n"
+                        f"objectives: [{{metric: '{metric}', mode: max}}]\n"
+                        "search: {train.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-3}}\n")
+        return path
+
+    assert load_space(space("task/rte/score"), []).primary.metric == "task/rte/score"
+    with pytest.raises(ConfigError, match=r"objectives\[0\].metric: 'task/first/score'; .* a task of the suite "
+                                          r"\(cola, sst2, .*rte, .*scitail\)"):
+        load_space(space("task/first/score"), [])
+    assert load_space(space("task/sst2/score", "SST-2, rte"), []).primary.metric == "task/sst2/score"
+    with pytest.raises(ConfigError, match=r"'task/SST-2/score'; .* a task of the suite \(sst2, rte\)"):
+        load_space(space("task/SST-2/score", "SST-2, rte"), [])
+    synthetic = tmp_path / "synthetic.yaml"
+    synthetic.write_text("objectives: [{metric: 'task/first/score', mode: max}]\n"
+                         "search: {train.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-3}}\n")
+    assert load_space(synthetic, []).primary.metric == "task/first/score"

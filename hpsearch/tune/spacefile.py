@@ -403,12 +403,20 @@ def _validate_budget(space: SearchSpace, at) -> None:
 
 
 def _validate_objectives(space: SearchSpace, at) -> None:
-    tasks = set(space.config.data.tasks)
+    """A task's score names a task of the suite as the results do: its canonical name (sst2, not SST-2), and with
+    the default data.tasks the tasks of the source's folder, not the synthetic names the default lists."""
+    from hpsearch.data.sources import resolve_tasks
+
+    tasks = None
     for i, objective in enumerate(space.objectives):
         m = TASK_SCORE.fullmatch(objective.metric)
-        if objective.metric not in OBJECTIVE_METRICS and not (m and m.group(1) in tasks):
+        if objective.metric in OBJECTIVE_METRICS:
+            continue
+        tasks = tasks if tasks is not None else resolve_tasks(space.config.data)
+        if not (m and m.group(1) in tasks):
             raise ConfigError(f"{at('objectives')}: objectives[{i}].metric: {objective.metric!r}; expected one of "
-                              f"{', '.join(OBJECTIVE_METRICS)} or task/<task>/score for a task in data.tasks")
+                              f"{', '.join(OBJECTIVE_METRICS)} or task/<task>/score for a task of the suite "
+                              f"({', '.join(tasks)})")
 
 
 def _read_objectives(items: Any, at) -> list[Objective]:
