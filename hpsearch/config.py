@@ -124,7 +124,9 @@ class RunConfig:
 
     def validate(self, read: bool = True) -> None:
         """Every section; `read=False`: the data source is not looked at (see DataConfig.validate)."""
-        self.model.validate(), self.train.validate(), self.data.validate(read=read)
+        self.model.validate()
+        self.data.validate(read=read)
+        self.train.validate()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
