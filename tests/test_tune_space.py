@@ -217,22 +217,23 @@ def test_without_a_name_a_new_study_is_numbered_and_resume_takes_the_newest(tmp_
     from hpsearch.tune.prepare import claim
 
     runs = tmp_path / "runs"
-    first, _ = prepare(parse_args(["--storage-path", str(runs)]))
+    store = ["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]  # not the default, ./mlflow.db where pytest runs
+    first, _ = prepare(parse_args([*store, "--storage-path", str(runs)]))
     assert first.name == "default" and (runs / "default").is_dir()  # the name is claimed before Ray starts
     # a second study started at the same moment (the first has not saved its state yet): the next name, not the
     # same folder and Optuna study (found by an independent review); with --name, one line
-    second, _ = prepare(parse_args(["--storage-path", str(runs), "train.lr=2e-3"]))
+    second, _ = prepare(parse_args([*store, "--storage-path", str(runs), "train.lr=2e-3"]))
     assert second.name == "default-2" and second.dir != first.dir
-    named, _ = prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
+    named, _ = prepare(parse_args([*store, "--storage-path", str(runs), "--name", "s1"]))
     with pytest.raises(UserError, match=r"--name s1: .* holds a study that saved no state yet \(a start"):
-        prepare(parse_args(["--storage-path", str(runs), "--name", "s1"]))
+        prepare(parse_args([*store, "--storage-path", str(runs), "--name", "s1"]))
     # both past that check at once: the second to create the folder stops
     with pytest.raises(UserError, match="--name s1: a study of that name has just started in"):
         claim(named.storage, "s1", named.dir, False, "default", set())
-    again, _ = prepare(parse_args(["--storage-path", str(runs)]))
+    again, _ = prepare(parse_args([*store, "--storage-path", str(runs)]))
     assert again.name == "default-3"
     with pytest.raises(UserError, match="the study 'default-3' .* saved no state yet"):  # the newest; no state here
-        prepare(parse_args(["--storage-path", str(runs), "--resume"]))
+        prepare(parse_args([*store, "--storage-path", str(runs), "--resume"]))
 
 
 
