@@ -307,17 +307,18 @@ TARGET_FIELDS = ("model.backbone", "model.vocab_size", "data.source", "data.task
                  "data.max_target_length", "train.max_new_tokens")
 
 
-def check_run_data(cfg: RunConfig, hub: bool = True, targets: bool = True) -> None:
+def check_run_data(cfg: RunConfig, hub: bool = True, targets: bool = True, suite=None) -> None:
     """A run's data, before anything starts (no torch): every task loads (`hub`: also from the hub, which
     downloads), some have training rows, and (`targets`) every target fits `data.max_target_length` and
-    `train.max_new_tokens` in an offline shape's tokenizer (else each worker found it after Ray had started)."""
+    `train.max_new_tokens` in an offline shape's tokenizer (else each worker found it after Ray had started).
+    `suite`: `cfg.data`'s suite when the caller has loaded it already."""
     if cfg.data.source == "hub" and not hub:
         return
     from hpsearch.data import load_suite
     from hpsearch.data.tokenizer import check_targets_early
     from hpsearch.model.backbones import named_vocab_size
 
-    suite = load_suite(cfg.data)
+    suite = suite if suite is not None else load_suite(cfg.data)
     if not any(suite.sizes("train")):
         raise ConfigError(f"data.tasks: no task has training rows in {cfg.data.source}")
     if not any(suite.sizes("validation")):  # the run would score NaN and pick no best step, and say nothing

@@ -66,13 +66,13 @@ def prepare(args: argparse.Namespace):
                           "another --name")
     for cfg in [spec.config, *(m.config for m in spec.methods)]:
         absolute_paths(cfg)
-    tasks = _tasks(spec.config)
+    tasks, suite = _tasks(spec.config)
     checked = set()
     for entry in spec.entries():
         check_backbone(entry.config)
         data = repr((entry.config.data, *(entry.config.flat()[f] for f in TARGET_FIELDS)))
         if data not in checked:  # each method's data and target lengths (local data; the hub is left to the trials)
-            check_run_data(entry.config, hub=False)
+            check_run_data(entry.config, hub=False, suite=suite if entry.config.data == spec.config.data else None)
             checked.add(data)
     if not os.environ.get("RAY_ADDRESS"):  # a private local Ray: this machine is the whole cluster
         check_fits(spec)
@@ -92,13 +92,15 @@ def prepare(args: argparse.Namespace):
     return Comparison(name, where, spec, storage=storage), state, sizes, tasks, notes
 
 
-def _tasks(cfg) -> list[str]:
-    """The suite's tasks (local data must load here, before any trial; the hub's are left to the trials)."""
+def _tasks(cfg) -> tuple[list[str], object]:
+    """The suite's tasks, and the suite when its data is local (it must load here, before any trial; the hub's
+    is left to the trials: None)."""
     if cfg.data.source == "hub":
         from hpsearch.data.sources import resolve_tasks
-        return list(resolve_tasks(cfg.data))
+        return list(resolve_tasks(cfg.data)), None
     from hpsearch.data import load_suite
-    return load_suite(cfg.data).tasks
+    suite = load_suite(cfg.data)
+    return suite.tasks, suite
 
 
 def backbone_size(cfg, tasks: list[str]) -> float:
