@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from hpsearch.bench.rows import BATCH, BatchShape, method_rows
-from hpsearch.bench.timing import Figure, Pool, ratio
+from hpsearch.bench.timing import Figure, Pool, error_line, ratio
 
 PEAK_SIZES = (1024, 2048, 4096)  # square fp32 matmuls; the fastest of them stands for the machine's peak
 LR = 1e-4
@@ -31,10 +31,6 @@ def make_batch(vocab_size: int, n_tasks: int, batching: str, shape: BatchShape =
     rows = shape.rows
     task_ids = torch.arange(rows) % n_tasks if batching == "mixed" else torch.zeros(rows, dtype=torch.long)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, task_ids=task_ids)
-
-
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def build_row(shape: str, row: str, n_tasks: int, base):
@@ -60,7 +56,7 @@ def build_rows(shape: str, n_tasks: int, only: list[str] | None = None) -> tuple
         try:
             models[row] = build_row(shape, row, n_tasks, base)
         except Exception as e:  # a method that cannot be built at this shape is a row of the report, not a crash
-            errors[f"build:{row}"] = _error(e)
+            errors[f"build:{row}"] = error_line(e)
     return models, errors
 
 
@@ -212,7 +208,7 @@ def needed_flops(shape: str, models: dict, rows: list[str], batch: dict, flops: 
             needed[row] = step_flops(model, row, renumbered)
             del model
         except Exception as e:
-            errors[f"flops-needed:{row}"] = _error(e)
+            errors[f"flops-needed:{row}"] = error_line(e)
     return needed, errors
 
 

@@ -75,7 +75,7 @@ class Pool:
                 try:
                     _timed(fn, setup)
                 except Exception as e:  # a method that builds but cannot run: report it, time the others
-                    errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                    errors[name] = error_line(e)
                     del self.entries[name]
             names = list(self.entries)
             times: dict[str, list[float]] = {name: [] for name in names}
@@ -86,6 +86,11 @@ class Pool:
         finally:
             gc.unfreeze()
         return {name: Timing(t) for name, t in times.items()}, errors
+
+
+def error_line(e: Exception) -> str:
+    """An error as the benchmark reports it: its type and first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 def _timed(fn: Callable, setup: Callable | None) -> float:
