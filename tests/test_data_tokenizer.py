@@ -373,6 +373,58 @@ def test_evaluation_batches_rows_shortest_first_and_never_tokenizes_again(tmp_pa
     assert tokenizer.calls == calls  # every batch collated from the stored ids
 
 
+
+def test_the_evaluator_prepares_scoring_on_a_thread_that_holds_no_engine(tmp_path, monkeypatch):
+    """While training runs, a thread imports the scoring libraries and computes both splits' yardsticks (majority
+    and chance scores): the evaluation reports exactly the yardsticks computed directly and does not compute them
+    again, and the thread keeps no reference to the engine (a run that ends before it evaluates releases its
+    engine at once, the thread still working)."""
+    import gc
+    import threading
+    import weakref
+
+    from hpsearch.config import load_config
+    from hpsearch.data.baselines import baselines, flat_metrics
+    from hpsearch.data.tokens import TokenizedSuite
+    from hpsearch.train import evaluate
+
+    data = DataConfig(max_train_rows=20, max_eval_rows=40, cache_dir=str(tmp_path / "cache"))
+    suite = load_suite(data)
+    tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", data, suite, 8192), data)
+    cfg = load_config(None, [])
+    computed, release, direct = [], threading.Event(), evaluate._yardsticks
+
+    def held(suite, split, prefix):  # the thread waits here until released
+        release.wait(60)
+        computed.append((split, prefix))
+        return direct(suite, split, prefix)
+
+    monkeypatch.setattr(evaluate, "_yardsticks", held)
+
+    class Engine:
+        module = None
+
+    engine = Engine()
+    engine_ref = weakref.ref(engine)
+    evaluator = evaluate.Evaluator(engine, suite, tokens, cfg, 0, 1, torch.device("cpu"))
+    thread = evaluator._prepared
+    assert thread.is_alive()
+    del evaluator, engine
+    gc.collect()
+    assert engine_ref() is None  # released while the thread still waits
+    release.set()
+    thread.join(60)
+    assert computed == [("validation", ""), ("test", "test")]
+
+    computed.clear()
+    evaluator = evaluate.Evaluator(Engine(), suite, tokens, cfg, 0, 1, torch.device("cpu"))
+    evaluator._prepared.join(60)
+    assert computed == [("validation", ""), ("test", "test")]
+    for split, prefix in (("validation", ""), ("test", "test")):
+        expected = flat_metrics(baselines(suite, split), f"{prefix}_" if prefix else "")
+        assert expected and evaluator.yardsticks(split, prefix) == expected
+    assert len(computed) == 2  # not computed again
+
 def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_path):
     """A label word cut by `train.max_new_tokens` never parses: with a 300-token vocabulary 'not_entailment' takes 9
     tokens, and a perfect model scored 44.9 on RTE. A number cut by `data.max_target_length` trains on another

@@ -3,8 +3,27 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
+
+SPLITS = (("validation", ""), ("test", "test"))  # (split, its metrics' prefix) the recipe scores
+
+
+def _yardsticks(suite, split: str, prefix: str) -> dict[str, float]:
+    from hpsearch.data.baselines import baselines, flat_metrics
+    return flat_metrics(baselines(suite, split), f"{prefix}_" if prefix else "")
+
+
+def _prepare(suite, yardsticks: dict) -> None:
+    """Import the scoring libraries and compute the yardsticks (the thread `Evaluator` starts). A failure here is
+    left for the evaluation to meet again on its own thread, where it is raised as before."""
+    try:
+        from hpsearch.data import decode, score_task, suite_score  # noqa: F401 (scikit-learn, scipy)
+        for split, prefix in SPLITS:
+            yardsticks[split, prefix] = _yardsticks(suite, split, prefix)
+    except Exception:
+        pass
 
 
 class Evaluator:
@@ -12,22 +31,31 @@ class Evaluator:
     number of generate calls. Under ZeRO-3, which gathers parameters collectively in every forward, the ranks also
     decode in lockstep (`synced_gpus`: a flag all-reduced and read on the host at every decoding step); the other
     stages keep whole parameters on every rank, so each rank decodes on its own. One gather of the predictions per
-    evaluation, and the batches go to a GPU from pinned memory without waiting."""
+    evaluation, and the batches go to a GPU from pinned memory without waiting.
+
+    What scoring needs beside the predictions is made on a thread while training runs (`_prepare`): the scoring
+    libraries' import (scikit-learn and scipy, 1-2 s in a fresh process) and each split's yardsticks (majority and
+    chance scores: a few hundred scorings). The first evaluation then waits for neither; a process that trains
+    trial after trial has the imports already, and still computes each trial's yardsticks meanwhile."""
 
     def __init__(self, engine, suite, tokens, cfg, rank, world, device):
         self.engine, self.suite, self.tokens, self.tok, self.cfg = engine, suite, tokens, tokens.tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
-        self._yardsticks: dict[str, dict] = {}
+        self._yardsticks: dict[tuple[str, str], dict] = {}
+        self._prepared = threading.Thread(target=_prepare, args=(suite, self._yardsticks), daemon=True,
+                                          name="hpsearch-evaluator-prepare")  # holds no engine
+        self._prepared.start()
 
     def yardsticks(self, split: str, prefix: str) -> dict[str, float]:
         """Majority-class and chance scores on the split, and its row counts (computed once per split)."""
-        from hpsearch.data.baselines import baselines, flat_metrics
-        if split not in self._yardsticks:
-            self._yardsticks[split] = flat_metrics(baselines(self.suite, split), f"{prefix}_" if prefix else "")
-        return self._yardsticks[split]
+        self._prepared.join()
+        if (split, prefix) not in self._yardsticks:
+            self._yardsticks[split, prefix] = _yardsticks(self.suite, split, prefix)
+        return self._yardsticks[split, prefix]
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:
+        self._prepared.join()  # the scoring libraries are imported (or the import failed there: it fails here too)
         from hpsearch.data import decode, score_task, suite_score
 
         model = self.engine.module
