@@ -126,6 +126,14 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                              "data.max_target_length: 2 cuts rte's target 'not_entailment' ("),
         "study target cut": ([*tune, *rte, "train.max_new_tokens=1"],
                              "train.max_new_tokens: 1 cannot generate rte's target 'not_entailment' ("),
+        # what a method sizes from the backbone's width: every worker said it after Ray had started
+        "train no bottleneck": (["hpsearch.train", "model.method=hyperformer", "model.reduction_factor=100",
+                                 f"train.output_dir={tmp}/train-out"],
+                                "model.reduction_factor: 100 leaves no bottleneck for t5-tiny (d_model 64 // 100"),
+        "study no bottleneck": ([*tune, "--space", write(tmp / "hf.yaml", "model: {method: hyperformer, "
+                                                        "reduction_factor: 2000, backbone: t5-base}\nsearch:\n  "
+                                                        "train.lr: {type: loguniform, low: 1.0e-4, high: 1.0e-3}\n")],
+                                "model.reduction_factor: 2000 leaves no bottleneck for t5-base (d_model 768"),
     }
 
 
@@ -140,7 +148,8 @@ NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite now
          "study backbone not pretrained yet", "pretrain corpus missing", "pretrain validation file",
          "pretrain not plain", "pretrain unknown field", "pretrain bad density", "train target cut",
          "study target cut", "train no validation rows", "train backbone without tokenizer",
-         "study backbone without tokenizer", "study searched backbone not a checkpoint"]
+         "study backbone without tokenizer", "study searched backbone not a checkpoint", "train no bottleneck",
+         "study no bottleneck"]
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +312,41 @@ def test_a_searched_target_length_is_left_to_each_trial(tmp_path):
     with pytest.raises(ConfigError):
         check_data(cfg, {"train.max_new_tokens"})
 
+
+
+def test_the_backbones_width_is_read_without_torch_and_a_searched_width_field_is_left_to_each_trial(tmp_path):
+    """The width a method sizes from comes from a named shape or a local checkpoint's config.json (None for a hub
+    id, an export, or a config without d_model: those are checked when built); a study checks its fixed config only
+    when no field the check reads is searched, as with the target lengths."""
+    import json
+
+    from hpsearch.errors import ConfigError
+    from hpsearch.model.backbones import backbone_width
+    from hpsearch.tune.prepare import check_backbone
+    from hpsearch.tune.spacefile import load_space
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"d_model": 48}))
+    (ckpt / "model.safetensors").write_text("")
+    (ckpt / "tokenizer.json").write_text("{}")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"d_model": "wide"}))
+    assert [backbone_width(b) for b in ("t5-tiny", "t5-base", str(ckpt), str(odd), "google-t5/t5-small")] == \
+        [64, 768, 48, None, None]
+    space = tmp_path / "space.yaml"
+    for field, choices, refused in (("train.lr", "[0.001]", True), ("model.reduction_factor", "[8, 64]", False),
+                                    ("model.backbone", f"[t5-tiny, {ckpt}]", False)):
+        space.write_text(f"model: {{method: hyperformer, reduction_factor: 64, backbone: {ckpt}}}\n"
+                         f"search:\n  {field}: {{type: categorical, choices: {choices}}}\n")
+        loaded = load_space(space)
+        if refused:
+            with pytest.raises(ConfigError, match=f"reduction_factor: 64 leaves no bottleneck for {ckpt} "
+                                                  r"\(d_model 48 // 64 = 0\); expected at most 48"):
+                check_backbone(loaded.config, loaded.params)
+        else:
+            check_backbone(loaded.config, loaded.params)
 
 def test_a_study_searching_the_generation_length_starts(tmp_path):
     """The same through the command line: the space searches train.max_new_tokens (its default, 8, cuts RTE's

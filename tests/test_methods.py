@@ -643,8 +643,8 @@ def test_hyperformer_defaults_follow_the_released_config():
 
 
 def test_hyperformer_reduction_factor_must_leave_a_bottleneck():
-    with pytest.raises(ConfigError, match="model.reduction_factor"):
-        make("hyperformer", reduction_factor=64)  # d_model 32
+    with pytest.raises(ConfigError, match=r"model.reduction_factor: 64 leaves no bottleneck \(d_model 32 // 64 = 0\)"):
+        make("hyperformer", reduction_factor=64)  # d_model 32: a T5Config, so no backbone name to give
 
 
 # ---- LoRA, prefix, MAM: against independent computations ------------------------------------------------------

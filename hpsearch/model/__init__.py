@@ -15,7 +15,7 @@ from hpsearch.lazy import lazy_names
 _WHERE = {
     "MultiTaskT5": "base", "ModelConfig": "config", "METHOD_FIELDS": "config",
     "NAMED_SHAPES": "backbones", "backbone_config": "backbones", "check_local_backbone": "backbones",
-    "load_backbone": "backbones",
+    "check_backbone_width": "backbones", "load_backbone": "backbones",
     "export_meta": "export", "is_export": "export", "load_export": "export", "save_export": "export",
     "save_task_params": "export",
     "METHOD_CLASSES": "registry", "build_from_config": "registry", "build_model": "registry",

@@ -53,6 +53,28 @@ def named_vocab_size(backbone, vocab_size: int | None = None) -> int | None:
     return vocab_size if vocab_size is not None else NAMED_SHAPES[backbone]["vocab_size"]
 
 
+def backbone_width(backbone) -> int | None:
+    """d_model of a named shape or of a local checkpoint (its config.json), read without torch or transformers;
+    None for a hub id, an hpsearch export (built and checked when it was made) or a config that does not say."""
+    if is_named_shape(backbone):
+        return NAMED_SHAPES[backbone]["d_model"]
+    try:
+        width = json.loads((Path(str(backbone)).expanduser() / "config.json").read_text(encoding="utf-8"))["d_model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return width if isinstance(width, int) and not isinstance(width, bool) and width > 0 else None
+
+
+def check_backbone_width(cfg) -> None:
+    """Before anything starts: what the method sizes from the backbone's width (`config.check_width`), when the
+    width can be read here (`backbone_width`: not a hub id's, which needs the network)."""
+    from hpsearch.model.config import check_width
+
+    width = backbone_width(cfg.backbone)
+    if width is not None:
+        check_width(cfg, width)
+
+
 def named_config(name: str, vocab_size: int | None = None, dropout: float | None = None) -> T5Config:
     if name not in NAMED_SHAPES:
         raise ConfigError(f"model.backbone: {name!r} is not a named shape; known: {', '.join(NAMED_SHAPES)}")

@@ -155,3 +155,16 @@ class ModelConfig:
             raise ConfigError("model.train_task_params_only: every placed side's prompt length is 0, so HyperPrompt "
                               "has no task parameters to train alone; give model.prompt_length_encoder or "
                               "model.prompt_length_decoder a length >= 1")
+
+
+WIDTH_FIELDS = ("model.backbone", "model.method", "model.reduction_factor")  # what check_width reads
+
+
+def check_width(cfg: ModelConfig, d_model: int) -> None:
+    """What a method sizes from the backbone's width must be at least 1 (a one-line ConfigError): HyperFormer++'s
+    adapter bottleneck d_model // reduction_factor. The model checks it when built; the drivers check it before
+    anything starts, with the width read from the backbone's config (`backbones.backbone_width`)."""
+    if cfg.method == "hyperformer" and d_model // cfg.reduction_factor < 1:
+        backbone = "" if cfg.backbone.startswith("<") else f" for {cfg.backbone}"  # not "<T5Config>" (model_config)
+        raise ConfigError(f"model.reduction_factor: {cfg.reduction_factor} leaves no bottleneck{backbone} "
+                          f"(d_model {d_model} // {cfg.reduction_factor} = 0); expected at most {d_model}")

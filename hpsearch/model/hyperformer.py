@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpsearch.errors import ConfigError
 from hpsearch.model.adapter import normal_linear, row_bottleneck
 from hpsearch.model.attention import SIDES
 from hpsearch.model.base import Formula, MultiTaskT5, Site, TaskContext
+from hpsearch.model.config import check_width
 
 BLOCK_TYPES = ("ffn", "attention")  # the code's block-type ids: 0 = feed-forward, 1 = self-attention
 LN_EPS = 1e-5                       # F.layer_norm's default, as the code's conditional LayerNorm
@@ -75,10 +75,8 @@ class HyperFormerT5(MultiTaskT5):
     def __init__(self, t5, tasks, cfg):
         super().__init__(t5, tasks, cfg)
         d = t5.config.d_model
+        check_width(cfg, d)
         self.bottleneck = d // cfg.reduction_factor
-        if self.bottleneck < 1:
-            raise ConfigError(f"model.reduction_factor: {cfg.reduction_factor} leaves no bottleneck "
-                              f"(d_model {d} // {cfg.reduction_factor} = 0); expected at most {d}")
         t = cfg.hyperformer_task_dim
         self.task_embeddings = nn.Embedding(len(self.tasks), t)
         self.controllers = nn.ModuleDict({

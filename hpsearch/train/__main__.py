@@ -25,9 +25,10 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     absolute_paths(cfg)  # workers run elsewhere: train.output_dir and data paths are this directory's
     check_run_data(cfg)  # data mistakes fail here, before any worker starts
-    from hpsearch.model import check_local_backbone
+    from hpsearch.model import check_backbone_width, check_local_backbone
     from hpsearch.pretrain.corpus import check_backbone_corpus
     check_local_backbone(cfg.model.backbone)
+    check_backbone_width(cfg.model)
     check_backbone_corpus(cfg.model.backbone, cfg.data)
     one_rank = args.local and cfg.train.num_workers != 1
     if one_rank:  # what the run is (a resume is checked against it); said once the checks passed

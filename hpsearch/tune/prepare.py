@@ -174,12 +174,15 @@ def check_backbone(cfg, searched: list | None = None) -> None:
     """A local backbone folder must be a checkpoint (a hub id is left to the trials: it downloads), and one this
     library pretrained must not have trained on the rows this suite validates on: the fixed config's, and each
     value of a searched `model.backbone` (`searched`: the space's params)."""
-    from hpsearch.model import check_local_backbone
+    from hpsearch.model import check_backbone_width, check_local_backbone
+    from hpsearch.model.config import WIDTH_FIELDS
     from hpsearch.pretrain.corpus import check_backbone_corpus
     choices = next((p.choices or [] for p in searched or [] if p.name == "model.backbone"), [])
     for backbone in dict.fromkeys([cfg.model.backbone, *choices]):
         check_local_backbone(backbone)
         check_backbone_corpus(backbone, cfg.data)
+    if not {p.name for p in searched or []} & set(WIDTH_FIELDS):  # else each trial checks its own combination
+        check_backbone_width(cfg.model)
 
 
 def check_fits(space) -> None:
