@@ -18,6 +18,13 @@ def write(path: Path, data: bytes | str) -> str:
     return str(path)
 
 
+def _pretrained_tokenizer(folder: Path, cache: Path) -> None:
+    """A byte-level BPE saved by transformers, as `python -m hpsearch.pretrain` saves its backbone's."""
+    from hpsearch.data.tokenizer import train_tokenizer
+
+    train_tokenizer(["a sentence", "another sentence"], 300, cache).save_pretrained(folder)
+
+
 def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (arguments after `python -m`, a phrase the line must hold)."""
     notckpt = tmp / "not-a-checkpoint"
@@ -28,6 +35,11 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     row = lambda i: json.dumps({"sentence1": f"a sentence {i}", "sentence2": f"another {i}", "label": i % 2})
     (noval / "train.jsonl").write_text("".join(row(i) + "\n" for i in range(30)))
     (noval / "validation.jsonl").write_text(row(0) + "\n")
+    pretrained = tmp / "pretrained"  # a checkpoint with the tokenizer python -m hpsearch.pretrain writes
+    pretrained.mkdir()
+    (pretrained / "config.json").write_text("{}")
+    (pretrained / "model.safetensors").write_text("")
+    _pretrained_tokenizer(pretrained, tmp / "tokenizer-cache")
     notok = tmp / "no-tokenizer"  # a checkpoint without its tokenizer: every word became <unk>
     notok.mkdir()
     (notok / "config.json").write_text("{}")
@@ -126,6 +138,9 @@ def cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
                              "data.max_target_length: 2 cuts rte's target 'not_entailment' ("),
         "study target cut": ([*tune, *rte, "train.max_new_tokens=1"],
                              "train.max_new_tokens: 1 cannot generate rte's target 'not_entailment' ("),
+        "train checkpoint target cut": (["hpsearch.train", f"model.backbone={pretrained}", *rte,
+                                         "train.max_new_tokens=1", f"train.output_dir={tmp}/train-out"],
+                                        "train.max_new_tokens: 1 cannot generate rte's target 'not_entailment' ("),
         # what a method sizes from the backbone's width: every worker said it after Ray had started
         "train no bottleneck": (["hpsearch.train", "model.method=hyperformer", "model.reduction_factor=100",
                                  f"train.output_dir={tmp}/train-out"],
@@ -149,7 +164,7 @@ NAMES = ["yaml key twice", "python tag", "not utf-8", "server down", "sqlite now
          "pretrain not plain", "pretrain unknown field", "pretrain bad density", "train target cut",
          "study target cut", "train no validation rows", "train backbone without tokenizer",
          "study backbone without tokenizer", "study searched backbone not a checkpoint", "train no bottleneck",
-         "study no bottleneck"]
+         "study no bottleneck", "train checkpoint target cut"]
 
 
 @pytest.fixture(scope="module")

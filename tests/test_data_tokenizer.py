@@ -456,6 +456,41 @@ def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_
     assert numbers >= 2
 
 
+
+def test_a_pretrained_checkpoints_tokenizer_checks_the_targets_before_anything_starts(tmp_path):
+    """A local checkpoint with the tokenizer `python -m hpsearch.pretrain` writes (transformers' own fast one): the
+    drivers read it with `tokenizers` alone and count every target as the workers' transformers tokenizer does, so a
+    label word it cuts is one line before anything starts (each worker said it after Ray had started). A tokenizer
+    transformers loads as a model's own class (T5's adjusts its pre-tokenizer) is left to the workers."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from hpsearch.config import check_run_data, load_config
+    from hpsearch.data.tokenizer import longest_target, plain_checkpoint_tokenizer
+
+    glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+    cfg = load_config(None, [f"data.source={glue}", "data.tasks=rte,mrpc,stsb", "data.max_train_rows=200",
+                             "data.max_eval_rows=20", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"])
+    suite = load_suite(cfg.data)
+    checkpoint = tmp_path / "backbone"
+    get_tokenizer("t5-tiny", cfg.data, suite, 8192).save_pretrained(checkpoint)  # as pretraining saves its own
+    driver, worker = plain_checkpoint_tokenizer(str(checkpoint)), AutoTokenizer.from_pretrained(checkpoint)
+    assert driver is not None and type(driver).__module__.startswith("tokenizers")
+    longest = longest_target(worker, suite.tasks)
+    assert longest_target(driver, suite.tasks) == longest and longest[0] > 8  # the default max_new_tokens cuts it
+    cfg.model.backbone = str(checkpoint)
+    with pytest.raises(ConfigError, match=rf"^train.max_new_tokens: 8 cannot generate (rte|mrpc)'s target "
+                                          rf"'not_(entailment|equivalent)' \({longest[0]} tokens"):
+        check_run_data(cfg)
+    cfg.train.max_new_tokens, cfg.data.max_target_length = longest[0], longest[0] + 1
+    check_run_data(cfg)  # fits exactly
+    cfg.train.max_new_tokens = 8
+    settings = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "T5Tokenizer"}))
+    assert plain_checkpoint_tokenizer(str(checkpoint)) is None
+    check_run_data(cfg)  # left to the workers
+
 @pytest.mark.parametrize("zero3", [False, True])
 def test_two_ranks_evaluation_gathers_once_and_decodes_in_lockstep_only_under_zero3(tmp_path, monkeypatch, zero3):
     """Each rank generates its share of every task's rows; one gather per evaluation brings every task's predictions

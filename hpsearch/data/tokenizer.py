@@ -48,11 +48,38 @@ def offline_tokenizer(cfg: DataConfig, suite, vocab_size: int):
 
 def check_targets_early(backbone: str, model_vocab: int | None, cfg: DataConfig, suite, max_new_tokens: int) -> None:
     """`check_targets_fit` in a driver, before any worker starts, for an offline shape (`model_vocab`: its
-    vocabulary; the BPE is trained here, or read from the cache the workers then read). A checkpoint's tokenizer
-    (a local folder or a hub id, which downloads) is left to the workers."""
+    vocabulary; the BPE is trained here, or read from the cache the workers then read) and for a local checkpoint
+    whose tokenizer `tokenizers` reads as the workers' transformers does (`plain_checkpoint_tokenizer`: the one
+    `python -m hpsearch.pretrain` writes). Other checkpoints' tokenizers (T5's SentencePiece, which transformers
+    converts and adjusts; a hub id, which downloads) are left to the workers."""
     if model_vocab is not None and is_offline_shape(backbone):
-        check_targets_fit(offline_tokenizer(cfg, suite, model_vocab), suite.tasks, cfg.max_target_length,
-                          max_new_tokens)
+        tokenizer = offline_tokenizer(cfg, suite, model_vocab)
+    else:
+        tokenizer = plain_checkpoint_tokenizer(backbone)
+    if tokenizer is not None:
+        check_targets_fit(tokenizer, suite.tasks, cfg.max_target_length, max_new_tokens)
+
+
+# the classes transformers loads a tokenizer.json as it is (5.x saves its fast tokenizers as TokenizersBackend)
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def plain_checkpoint_tokenizer(backbone: str):
+    """A local checkpoint's tokenizer as a `tokenizers.Tokenizer` (no transformers), when transformers would load it
+    unchanged: its tokenizer.json, with a plain class in tokenizer_config.json (`PLAIN_TOKENIZER_CLASSES`; a model's
+    own class, T5's say, may adjust the pre-tokenizer on loading). None otherwise, or when the files do not read."""
+    import json
+
+    import tokenizers
+
+    folder = Path(str(backbone)).expanduser()
+    try:
+        settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if not isinstance(settings, dict) or settings.get("tokenizer_class") not in PLAIN_TOKENIZER_CLASSES:
+            return None
+        return tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception:  # no such files, not JSON, not a tokenizer: the workers' loading says what is wrong
+        return None
 
 
 def longest_target(tokenizer, tasks: Sequence[str]) -> tuple[int, str | None, str | None]:
