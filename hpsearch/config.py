@@ -310,8 +310,9 @@ TARGET_FIELDS = ("model.backbone", "model.vocab_size", "data.source", "data.task
 def check_run_data(cfg: RunConfig, hub: bool = True, targets: bool = True, suite=None) -> None:
     """A run's data, before anything starts (no torch): every task loads (`hub`: also from the hub, which
     downloads), some have training rows, and (`targets`) every target fits `data.max_target_length` and
-    `train.max_new_tokens` in an offline shape's tokenizer (else each worker found it after Ray had started).
-    `suite`: `cfg.data`'s suite when the caller has loaded it already."""
+    `train.max_new_tokens` in the run's tokenizer when it can be read here (an offline shape's, or a local
+    checkpoint's that transformers loads unchanged: `check_targets_early`; else each worker finds it after Ray has
+    started). `suite`: `cfg.data`'s suite when the caller has loaded it already."""
     if cfg.data.source == "hub" and not hub:
         return
     from hpsearch.data import load_suite

@@ -328,7 +328,6 @@ def test_a_searched_target_length_is_left_to_each_trial(tmp_path):
         check_data(cfg, {"train.max_new_tokens"})
 
 
-
 def test_the_backbones_width_is_read_without_torch_and_a_searched_width_field_is_left_to_each_trial(tmp_path):
     """The width a method sizes from comes from a named shape or a local checkpoint's config.json (None for a hub
     id, an export, or a config without d_model: those are checked when built); a study checks its fixed config only
@@ -362,6 +361,7 @@ def test_the_backbones_width_is_read_without_torch_and_a_searched_width_field_is
                 check_backbone(loaded.config, loaded.params)
         else:
             check_backbone(loaded.config, loaded.params)
+
 
 def test_a_study_searching_the_generation_length_starts(tmp_path):
     """The same through the command line: the space searches train.max_new_tokens (its default, 8, cuts RTE's

@@ -434,20 +434,23 @@ def test_comparisons_started_together_take_a_name_each(tmp_path):
         prepare(parse_args([*base, "--name", "mine"]))
 
 
-
 def test_a_comparison_loads_its_suite_once_before_it_starts(tmp_path, monkeypatch):
     """The checks before a comparison starts load the suite once: its tasks and every method's check of its data and
     target lengths (each method's own backbone and max_new_tokens) used to load it once more."""
+    import hpsearch.config
     import hpsearch.data
     from hpsearch.compare.cli import parse_args, prepare
 
-    loads, real = [], hpsearch.data.load_suite
-    monkeypatch.setattr(hpsearch.data, "load_suite", lambda cfg: loads.append(cfg.source) or real(cfg))
+    loads, load, checks, check = [], hpsearch.data.load_suite, [], hpsearch.config.check_run_data
+    monkeypatch.setattr(hpsearch.data, "load_suite", lambda cfg: loads.append(cfg.source) or load(cfg))
+    monkeypatch.setattr(hpsearch.config, "check_run_data",
+                        lambda cfg, *a, **k: checks.append(cfg.train.max_new_tokens) or check(cfg, *a, **k))
     spec = write(tmp_path, TINY.replace("model.bottleneck: 8}", "model.bottleneck: 8, train.max_new_tokens: 6}"))
-    comparison = prepare(parse_args(["--spec", str(spec), "--storage-path", str(tmp_path / "runs"),
-                                     "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]))[0]
+    prepare(parse_args(["--spec", str(spec), "--storage-path", str(tmp_path / "runs"),
+                        "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]))
     assert loads == ["synthetic"]
-    assert {e.config.train.max_new_tokens for e in comparison.spec.entries()} == {6, 8}  # checked apart
+    assert sorted(checks) == [6, 8]  # each method's target lengths checked, with the one suite
+
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow

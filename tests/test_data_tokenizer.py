@@ -323,7 +323,6 @@ def test_a_bad_token_cache_budget_is_named(value):
         DataConfig(token_cache_mb=value).validate()
 
 
-
 def test_evaluation_batches_rows_shortest_first_and_never_tokenizes_again(tmp_path):
     """`Evaluator.evaluate` (the recipe's validation and test scoring) sorts each task's rows by source length, so
     a batch's rows have similar lengths, and collates them from the ids tokenized once: a second evaluation calls
@@ -373,15 +372,12 @@ def test_evaluation_batches_rows_shortest_first_and_never_tokenizes_again(tmp_pa
     assert tokenizer.calls == calls  # every batch collated from the stored ids
 
 
-
-def test_the_evaluator_prepares_scoring_on_a_thread_that_holds_no_engine(tmp_path, monkeypatch):
-    """While training runs, a thread imports the scoring libraries and computes both splits' yardsticks (majority
-    and chance scores): the evaluation reports exactly the yardsticks computed directly and does not compute them
-    again, and the thread keeps no reference to the engine (a run that ends before it evaluates releases its
-    engine at once, the thread still working)."""
-    import gc
+def test_scoring_is_prepared_on_a_thread_and_ready_before_the_first_step(tmp_path, monkeypatch):
+    """While the run starts, a thread imports the scoring libraries and computes both splits' yardsticks (majority
+    and chance scores): the evaluator, made just before the first step, waits for it (so it never shares the steps'
+    time), reports exactly the yardsticks computed directly and does not compute them again. A failure on the
+    thread is met again, and raised, on the evaluator's."""
     import threading
-    import weakref
 
     from hpsearch.config import load_config
     from hpsearch.data.baselines import baselines, flat_metrics
@@ -392,38 +388,35 @@ def test_the_evaluator_prepares_scoring_on_a_thread_that_holds_no_engine(tmp_pat
     suite = load_suite(data)
     tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", data, suite, 8192), data)
     cfg = load_config(None, [])
-    computed, release, direct = [], threading.Event(), evaluate._yardsticks
+    computed, release, failing, direct = [], threading.Event(), [], evaluate._yardsticks
 
     def held(suite, split, prefix):  # the thread waits here until released
         release.wait(60)
-        computed.append((split, prefix))
+        computed.append((split, prefix, threading.current_thread().name))
+        if failing:
+            raise ValueError("broken rows")
         return direct(suite, split, prefix)
 
     monkeypatch.setattr(evaluate, "_yardsticks", held)
-
-    class Engine:
-        module = None
-
-    engine = Engine()
-    engine_ref = weakref.ref(engine)
-    evaluator = evaluate.Evaluator(engine, suite, tokens, cfg, 0, 1, torch.device("cpu"))
-    thread = evaluator._prepared
-    assert thread.is_alive()
-    del evaluator, engine
-    gc.collect()
-    assert engine_ref() is None  # released while the thread still waits
-    release.set()
-    thread.join(60)
-    assert computed == [("validation", ""), ("test", "test")]
-
-    computed.clear()
-    evaluator = evaluate.Evaluator(Engine(), suite, tokens, cfg, 0, 1, torch.device("cpu"))
-    evaluator._prepared.join(60)
-    assert computed == [("validation", ""), ("test", "test")]
+    scoring = evaluate.Scoring(suite)
+    assert scoring._thread.is_alive() and not computed
+    threading.Timer(0.3, release.set).start()
+    evaluator = evaluate.Evaluator(None, suite, tokens, cfg, 0, 1, torch.device("cpu"), scoring=scoring)
+    assert not scoring._thread.is_alive()  # made before the first step, the evaluator waited for the thread
+    assert computed == [("validation", "", "hpsearch-scoring"), ("test", "test", "hpsearch-scoring")]
     for split, prefix in (("validation", ""), ("test", "test")):
         expected = flat_metrics(baselines(suite, split), f"{prefix}_" if prefix else "")
         assert expected and evaluator.yardsticks(split, prefix) == expected
     assert len(computed) == 2  # not computed again
+
+    computed.clear()
+    failing.append(True)
+    evaluator = evaluate.Evaluator(None, suite, tokens, cfg, 0, 1, torch.device("cpu"), scoring=evaluate.Scoring(suite))
+    assert [name for *_, name in computed] == ["hpsearch-scoring"]  # the thread met the failure and stopped there
+    with pytest.raises(ValueError, match="broken rows"):
+        evaluator.yardsticks("validation", "")
+    assert computed[-1] == ("validation", "", threading.current_thread().name)
+
 
 def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_path):
     """A label word cut by `train.max_new_tokens` never parses: with a 300-token vocabulary 'not_entailment' takes 9
@@ -456,7 +449,6 @@ def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_
     assert numbers >= 2
 
 
-
 def test_a_pretrained_checkpoints_tokenizer_checks_the_targets_before_anything_starts(tmp_path):
     """A local checkpoint with the tokenizer `python -m hpsearch.pretrain` writes (transformers' own fast one): the
     drivers read it with `tokenizers` alone and count every target as the workers' transformers tokenizer does, so a
@@ -464,18 +456,23 @@ def test_a_pretrained_checkpoints_tokenizer_checks_the_targets_before_anything_s
     transformers loads as a model's own class (T5's adjusts its pre-tokenizer) is left to the workers."""
     import json
 
-    from transformers import AutoTokenizer
-
     from hpsearch.config import check_run_data, load_config
     from hpsearch.data.tokenizer import longest_target, plain_checkpoint_tokenizer
+    from hpsearch.model.backbones import named_config
+    from hpsearch.pretrain.config import CorpusConfig
+    from hpsearch.pretrain.objective import corpus_tokenizer
 
     glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
     cfg = load_config(None, [f"data.source={glue}", "data.tasks=rte,mrpc,stsb", "data.max_train_rows=200",
                              "data.max_eval_rows=20", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"])
     suite = load_suite(cfg.data)
-    checkpoint = tmp_path / "backbone"
-    get_tokenizer("t5-tiny", cfg.data, suite, 8192).save_pretrained(checkpoint)  # as pretraining saves its own
-    driver, worker = plain_checkpoint_tokenizer(str(checkpoint)), AutoTokenizer.from_pretrained(checkpoint)
+    checkpoint = tmp_path / "backbone"  # as python -m hpsearch.pretrain writes it: its BPE with T5's sentinels,
+    texts = [e.source for t in suite.tasks for e in suite.split(t, "train")]  # beside a T5 config
+    corpus_tokenizer(texts, 300 + 100, CorpusConfig(), str(tmp_path / "cache")).save_pretrained(checkpoint)
+    named_config("t5-tiny", vocab_size=400).save_pretrained(checkpoint)
+    driver, worker = plain_checkpoint_tokenizer(str(checkpoint)), get_tokenizer(str(checkpoint), cfg.data, suite, 400)
+    assert "<extra_id_0>" in worker.get_vocab() and json.loads((checkpoint / "config.json").read_text())[
+        "model_type"] == "t5"
     assert driver is not None and type(driver).__module__.startswith("tokenizers")
     longest = longest_target(worker, suite.tasks)
     assert longest_target(driver, suite.tasks) == longest and longest[0] > 8  # the default max_new_tokens cuts it
@@ -490,6 +487,7 @@ def test_a_pretrained_checkpoints_tokenizer_checks_the_targets_before_anything_s
     (checkpoint / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "T5Tokenizer"}))
     assert plain_checkpoint_tokenizer(str(checkpoint)) is None
     check_run_data(cfg)  # left to the workers
+
 
 @pytest.mark.parametrize("zero3", [False, True])
 def test_two_ranks_evaluation_gathers_once_and_decodes_in_lockstep_only_under_zero3(tmp_path, monkeypatch, zero3):

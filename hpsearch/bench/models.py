@@ -184,7 +184,7 @@ def count_flops(models: dict, rows: list[str], batch: dict) -> tuple[dict[str, i
         try:
             flops[row] = step_flops(models[row], row, batch)
         except Exception as e:
-            errors[f"flops:{row}"] = f"{type(e).__name__}: {e}"[:300]
+            errors[f"flops:{row}"] = error_line(e)
     return flops, errors
 
 

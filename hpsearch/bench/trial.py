@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpsearch.bench import children, memory
-from hpsearch.bench.timing import Figure
+from hpsearch.bench.timing import Figure, error_line
 from hpsearch.train import startup
 
 TRIAL_STEPS = (2, 8)
@@ -178,7 +178,7 @@ def run_checkpoint(shape: str, log) -> tuple[list, dict]:
         try:
             weights = memory.weights_bytes(overrides)
         except Exception as e:
-            return [], {"checkpoint": f"cannot count the model's weights: {type(e).__name__}: {e}"[:400]}
+            return [], {"checkpoint": f"cannot count the model's weights: {error_line(e)}"}
         export = sum(_tensor_bytes(f) for f in (out / "model").glob("*.safetensors"))  # tensor data, as best's
         finals = _bytes(out, lambda rel: rel.parts[0] not in ("checkpoints", "best"))  # export, metrics, config
         versions = sorted((out / "checkpoints" / "best").glob("*.safetensors"))  # the best weights kept

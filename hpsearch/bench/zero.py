@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from hpsearch.bench.rows import BATCH, BatchShape
-from hpsearch.bench.timing import Pool, ratio
+from hpsearch.bench.timing import Pool, error_line, ratio
 
 GOAL = 1.10
 
@@ -118,7 +118,7 @@ def run(shape: str, n_tasks: int, reps: int, batching: str, log,
             engines.append(engine)
             pool.add(f"zero{stage}", step, setup=_with_linear(engine.train, torch.nn.functional.linear))
         except Exception as e:
-            errors[f"deepspeed:zero{stage}"] = f"{type(e).__name__}: {e}"[:300]
+            errors[f"deepspeed:zero{stage}"] = error_line(e)
         finally:
             torch.nn.functional.linear = native
     del base

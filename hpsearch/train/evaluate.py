@@ -15,15 +15,30 @@ def _yardsticks(suite, split: str, prefix: str) -> dict[str, float]:
     return flat_metrics(baselines(suite, split), f"{prefix}_" if prefix else "")
 
 
-def _prepare(suite, yardsticks: dict) -> None:
-    """Import the scoring libraries and compute the yardsticks (the thread `Evaluator` starts). A failure here is
-    left for the evaluation to meet again on its own thread, where it is raised as before."""
-    try:
-        from hpsearch.data import decode, score_task, suite_score  # noqa: F401 (scikit-learn, scipy)
-        for split, prefix in SPLITS:
-            yardsticks[split, prefix] = _yardsticks(suite, split, prefix)
-    except Exception:
-        pass
+class Scoring:
+    """What scoring needs beside the predictions, made on a thread while the run starts (the model's build,
+    DeepSpeed's set-up, the training rows' tokens): the scoring libraries' import (scikit-learn and scipy, 1-2 s in a
+    fresh process) and each split's yardsticks (majority and chance scores, a few hundred scorings). The objective
+    starts it first and waits for it (`ready`) before the first step, so it never shares the steps' time (their
+    `step_time`). The thread holds the suite and its results, no model or engine. A failure on it is met again on
+    the caller's thread, where it is raised as before."""
+
+    def __init__(self, suite):
+        self.suite, self.yardsticks = suite, {}
+        self._thread = threading.Thread(target=self._prepare, daemon=True, name="hpsearch-scoring")
+        self._thread.start()
+
+    def _prepare(self) -> None:
+        try:
+            from hpsearch.data import decode, score_task, suite_score  # noqa: F401 (scikit-learn, scipy)
+            for split, prefix in SPLITS:
+                self.yardsticks[split, prefix] = _yardsticks(self.suite, split, prefix)
+        except Exception:
+            pass
+
+    def ready(self) -> Scoring:
+        self._thread.join()
+        return self
 
 
 class Evaluator:
@@ -33,29 +48,21 @@ class Evaluator:
     stages keep whole parameters on every rank, so each rank decodes on its own. One gather of the predictions per
     evaluation, and the batches go to a GPU from pinned memory without waiting.
 
-    What scoring needs beside the predictions is made on a thread while training runs (`_prepare`): the scoring
-    libraries' import (scikit-learn and scipy, 1-2 s in a fresh process) and each split's yardsticks (majority and
-    chance scores: a few hundred scorings). The first evaluation then waits for neither; a process that trains
-    trial after trial has the imports already, and still computes each trial's yardsticks meanwhile."""
+    `scoring`: the yardsticks `Scoring` made while the run started (else they are made at the first evaluation)."""
 
-    def __init__(self, engine, suite, tokens, cfg, rank, world, device):
+    def __init__(self, engine, suite, tokens, cfg, rank, world, device, scoring: Scoring | None = None):
         self.engine, self.suite, self.tokens, self.tok, self.cfg = engine, suite, tokens, tokens.tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
-        self._yardsticks: dict[tuple[str, str], dict] = {}
-        self._prepared = threading.Thread(target=_prepare, args=(suite, self._yardsticks), daemon=True,
-                                          name="hpsearch-evaluator-prepare")  # holds no engine
-        self._prepared.start()
+        self._yardsticks: dict[tuple[str, str], dict] = dict(scoring.ready().yardsticks) if scoring else {}
 
     def yardsticks(self, split: str, prefix: str) -> dict[str, float]:
         """Majority-class and chance scores on the split, and its row counts (computed once per split)."""
-        self._prepared.join()
         if (split, prefix) not in self._yardsticks:
             self._yardsticks[split, prefix] = _yardsticks(self.suite, split, prefix)
         return self._yardsticks[split, prefix]
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:
-        self._prepared.join()  # the scoring libraries are imported (or the import failed there: it fails here too)
         from hpsearch.data import decode, score_task, suite_score
 
         model = self.engine.module
