@@ -97,10 +97,14 @@ def test_study_on_an_autoscaling_cluster_from_the_shipped_yaml(tmp_path):
     state = json.loads((out / "state.json").read_text())
     head_ids = {node for node, is_head in state["nodes"] if is_head}
     worker_ids = {node for node, is_head in state["nodes"] if not is_head}
-    # the autoscaler launched a worker node for each of the two trials: Tune's pending trial asked for the second
-    # (the number of trials at once was set from the first node alone, and the cluster never grew past it)
-    assert len(worker_ids) == 2, state
-    assert state["workers"] and set(state["workers"]) <= worker_ids, state  # the trials' ranks ran on them
+    # the autoscaler launched a worker node for each of the two trials, and they ran at once: Tune's pending trial
+    # asked for the second node (the number of trials at once was set from the first node alone, and the cluster
+    # never grew past it). On a slow machine a node can go idle (idle_timeout_minutes: 0.2) before its trial's ranks
+    # reach it, and is removed and launched again (4 nodes for the 2 trials in one CI run)
+    job = (out / "job.log").read_text()
+    assert job.index("started (2/2)") < job.index(" complete: "), job  # the second started before the first ended
+    assert len(worker_ids) >= 2, state
+    assert len(set(state["workers"])) >= 2 and set(state["workers"]) <= worker_ids, state  # the ranks ran on them
     assert state["drivers"] and set(state["drivers"]) <= head_ids, state  # the trials' drivers on the head
     assert state["alive_workers_at_end"] == [], state  # idle nodes were removed
 
