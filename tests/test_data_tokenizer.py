@@ -372,52 +372,6 @@ def test_evaluation_batches_rows_shortest_first_and_never_tokenizes_again(tmp_pa
     assert tokenizer.calls == calls  # every batch collated from the stored ids
 
 
-def test_scoring_is_prepared_on_a_thread_and_ready_before_the_first_step(tmp_path, monkeypatch):
-    """While the run starts, a thread imports the scoring libraries and computes both splits' yardsticks (majority
-    and chance scores): the evaluator, made just before the first step, waits for it (so it never shares the steps'
-    time), reports exactly the yardsticks computed directly and does not compute them again. A failure on the
-    thread is met again, and raised, on the evaluator's."""
-    import threading
-
-    from hpsearch.config import load_config
-    from hpsearch.data.baselines import baselines, flat_metrics
-    from hpsearch.data.tokens import TokenizedSuite
-    from hpsearch.train import evaluate
-
-    data = DataConfig(max_train_rows=20, max_eval_rows=40, cache_dir=str(tmp_path / "cache"))
-    suite = load_suite(data)
-    tokens = TokenizedSuite(suite, get_tokenizer("t5-tiny", data, suite, 8192), data)
-    cfg = load_config(None, [])
-    computed, release, failing, direct = [], threading.Event(), [], evaluate._yardsticks
-
-    def held(suite, split, prefix):  # the thread waits here until released
-        release.wait(60)
-        computed.append((split, prefix, threading.current_thread().name))
-        if failing:
-            raise ValueError("broken rows")
-        return direct(suite, split, prefix)
-
-    monkeypatch.setattr(evaluate, "_yardsticks", held)
-    scoring = evaluate.Scoring(suite)
-    assert scoring._thread.is_alive() and not computed
-    threading.Timer(0.3, release.set).start()
-    evaluator = evaluate.Evaluator(None, suite, tokens, cfg, 0, 1, torch.device("cpu"), scoring=scoring)
-    assert not scoring._thread.is_alive()  # made before the first step, the evaluator waited for the thread
-    assert computed == [("validation", "", "hpsearch-scoring"), ("test", "test", "hpsearch-scoring")]
-    for split, prefix in (("validation", ""), ("test", "test")):
-        expected = flat_metrics(baselines(suite, split), f"{prefix}_" if prefix else "")
-        assert expected and evaluator.yardsticks(split, prefix) == expected
-    assert len(computed) == 2  # not computed again
-
-    computed.clear()
-    failing.append(True)
-    evaluator = evaluate.Evaluator(None, suite, tokens, cfg, 0, 1, torch.device("cpu"), scoring=evaluate.Scoring(suite))
-    assert [name for *_, name in computed] == ["hpsearch-scoring"]  # the thread met the failure and stopped there
-    with pytest.raises(ValueError, match="broken rows"):
-        evaluator.yardsticks("validation", "")
-    assert computed[-1] == ("validation", "", threading.current_thread().name)
-
-
 def test_every_target_must_fit_what_training_keeps_and_evaluation_generates(tmp_path):
     """A label word cut by `train.max_new_tokens` never parses: with a 300-token vocabulary 'not_entailment' takes 9
     tokens, and a perfect model scored 44.9 on RTE. A number cut by `data.max_target_length` trains on another

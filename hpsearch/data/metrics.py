@@ -11,6 +11,7 @@ A correlation that is undefined (constant predictions) is 0.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,13 +26,9 @@ UNPARSEABLE_CLASS = -1
 
 
 def _correlation(fn, y_true, y_pred) -> float:
-    """scipy's correlation `fn`; 0 where it is undefined (fewer than 2 rows, or either side constant), found here
-    rather than by silencing scipy's warning: `warnings.catch_warnings` swaps process-wide state, and the evaluator
-    scores its yardsticks on a thread while the model is built (a warning of that thread's would be lost)."""
-    t, p = np.asarray(y_true, dtype=float), np.asarray(y_pred, dtype=float)
-    if len(t) < 2 or (t == t[0]).all() or (p == p[0]).all():
-        return 0.0
-    value = fn(t, p)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = fn(y_true, y_pred)[0] if len(y_true) > 1 else math.nan
     return 0.0 if math.isnan(value) else float(value)
 
 

@@ -3,42 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 
 import torch
-
-SPLITS = (("validation", ""), ("test", "test"))  # (split, its metrics' prefix) the recipe scores
-
-
-def _yardsticks(suite, split: str, prefix: str) -> dict[str, float]:
-    from hpsearch.data.baselines import baselines, flat_metrics
-    return flat_metrics(baselines(suite, split), f"{prefix}_" if prefix else "")
-
-
-class Scoring:
-    """What scoring needs beside the predictions, made on a thread while the run starts (the model's build,
-    DeepSpeed's set-up, the training rows' tokens): the scoring libraries' import (scikit-learn and scipy, 1-2 s in a
-    fresh process) and each split's yardsticks (majority and chance scores, a few hundred scorings). The objective
-    starts it first and waits for it (`ready`) before the first step, so it never shares the steps' time (their
-    `step_time`). The thread holds the suite and its results, no model or engine. A failure on it is met again on
-    the caller's thread, where it is raised as before."""
-
-    def __init__(self, suite):
-        self.suite, self.yardsticks = suite, {}
-        self._thread = threading.Thread(target=self._prepare, daemon=True, name="hpsearch-scoring")
-        self._thread.start()
-
-    def _prepare(self) -> None:
-        try:
-            from hpsearch.data import decode, score_task, suite_score  # noqa: F401 (scikit-learn, scipy)
-            for split, prefix in SPLITS:
-                self.yardsticks[split, prefix] = _yardsticks(self.suite, split, prefix)
-        except Exception:
-            pass
-
-    def ready(self) -> Scoring:
-        self._thread.join()
-        return self
 
 
 class Evaluator:
@@ -46,20 +12,19 @@ class Evaluator:
     number of generate calls. Under ZeRO-3, which gathers parameters collectively in every forward, the ranks also
     decode in lockstep (`synced_gpus`: a flag all-reduced and read on the host at every decoding step); the other
     stages keep whole parameters on every rank, so each rank decodes on its own. One gather of the predictions per
-    evaluation, and the batches go to a GPU from pinned memory without waiting.
+    evaluation, and the batches go to a GPU from pinned memory without waiting."""
 
-    `scoring`: the yardsticks `Scoring` made while the run started (else they are made at the first evaluation)."""
-
-    def __init__(self, engine, suite, tokens, cfg, rank, world, device, scoring: Scoring | None = None):
+    def __init__(self, engine, suite, tokens, cfg, rank, world, device):
         self.engine, self.suite, self.tokens, self.tok, self.cfg = engine, suite, tokens, tokens.tokenizer, cfg
         self.rank, self.world, self.device = rank, world, device
-        self._yardsticks: dict[tuple[str, str], dict] = dict(scoring.ready().yardsticks) if scoring else {}
+        self._yardsticks: dict[str, dict] = {}
 
     def yardsticks(self, split: str, prefix: str) -> dict[str, float]:
         """Majority-class and chance scores on the split, and its row counts (computed once per split)."""
-        if (split, prefix) not in self._yardsticks:
-            self._yardsticks[split, prefix] = _yardsticks(self.suite, split, prefix)
-        return self._yardsticks[split, prefix]
+        from hpsearch.data.baselines import baselines, flat_metrics
+        if split not in self._yardsticks:
+            self._yardsticks[split] = flat_metrics(baselines(self.suite, split), f"{prefix}_" if prefix else "")
+        return self._yardsticks[split]
 
     @torch.no_grad()
     def evaluate(self, split: str, prefix: str = "") -> dict:

@@ -60,11 +60,9 @@ class FineTuning:
     def __init__(self, cfg, rank: int, world: int, options: dict | None = None, build=build_whole):
         from hpsearch.data import MultiTaskSampler, get_task, get_tokenizer, load_suite
         from hpsearch.data.tokenizer import check_targets_fit
-        from hpsearch.train.evaluate import Scoring
 
         self.cfg, self.rank, self.world = cfg, rank, world
         self.suite = suite = load_suite(cfg.data)
-        self.scoring = Scoring(suite)  # on a thread while the model is built; ready before the first step
         skeleton = lambda: build_skeleton(cfg.model, suite.tasks)
         with torch.device("meta"):
             vocab_size = skeleton().t5.config.vocab_size
@@ -90,8 +88,7 @@ class FineTuning:
         self.tokens = TokenizedSuite(self.suite, self.tokenizer, self.cfg.data)  # every row tokenized once
         for task in self.suite.tasks:  # the training rows now: the prefetch thread then only reads stored ids, and
             self.tokens.ids(task, "train")  # the tokenizer (not thread-safe) stays with evaluation on this thread
-        self.evaluator = Evaluator(engine, self.suite, self.tokens, self.cfg, self.rank, self.world, device,
-                                   scoring=self.scoring)
+        self.evaluator = Evaluator(engine, self.suite, self.tokens, self.cfg, self.rank, self.world, device)
 
     def batch(self) -> dict:
         """This rank's next micro-batch, and LABEL_TOKENS: (its target tokens, every rank's in all train.grad_accum
