@@ -359,7 +359,9 @@ cli.main(sys.argv[1:])
 
 def test_the_driver_checks_a_run_without_importing_torch(tmp_path):
     """Config, data and backbone checks run before Ray starts and import neither torch nor transformers (the
-    workers' imports, ~4 s here): a mistake is one line at once, and a run reaches Ray sooner."""
+    workers' imports, ~4 s here): a mistake is one line at once, and a run reaches Ray sooner. The local checkpoint's
+    tokenizer is read for the targets' check too (with `tokenizers`), so its run gives them room: its 300-token
+    vocabulary spells RTE's 'not_entailment' in more than the default 8 tokens."""
     from hpsearch.data.tokenizer import train_tokenizer
     from hpsearch.model.backbones import load_backbone
 
@@ -369,7 +371,8 @@ def test_the_driver_checks_a_run_without_importing_torch(tmp_path):
     glue = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
     data = [f"data.source={glue}", "data.tasks=rte,cb"] if glue.is_dir() else []
     for args in (["model.method=hyperprompt"], ["model.method=lora", "model.backbone=t5-small", *data],
-                 [f"model.backbone={tmp_path / 'backbone'}", *data]):
+                 [f"model.backbone={tmp_path / 'backbone'}", *data, "data.max_target_length=32",
+                  "train.max_new_tokens=32"]):
         proc = subprocess.run([sys.executable, "-c", DRIVER_CHECKS, *args, f"train.output_dir={tmp_path}"],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
